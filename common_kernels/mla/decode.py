@@ -1,0 +1,412 @@
+"""MLA decode: weight-absorbed multi-query attention over the paged latent cache.
+
+For query row ``(t, h)`` of request ``b`` (token ``j`` of its ``S_q`` query tokens)::
+
+    s_n   = scale * (q_nope[t, h] . c_n + q_pe[t, h] . r_n),   n < seq_lens[b] - S_q + j + 1
+    out   = sum_n softmax(s)_n * c_n                            [D_latent]
+    lse   = log sum_n exp(s_n)
+
+where ``[c_n | r_n]`` is cache row ``n`` of the request (``D_latent`` latent values, then
+``D_rope`` rotated key values; fp8 rows are multiplied by the per-tensor ``kv_scale``).
+
+Work split (split-KV, "flash decoding"): program ``(g, s, b)`` takes up to ``BLOCK_R`` query
+rows of request ``b`` -- all heads and all query tokens when they fit, so a cache tile is read
+once for every head of the request -- and the ``s``-th of ``S`` equal stretches of its
+cache. It streams tiles of ``BLOCK_N`` tokens (one page holds a whole tile), keeping one
+``[BLOCK_N, D_latent]`` load for both ``Q K^T`` and ``P V``. With ``S > 1`` each program
+writes a normalized partial output and its log-sum-exp, and a second kernel merges them;
+with ``S == 1`` the first kernel writes the result directly. Row groups are the fastest
+grid axis, so when ``H * S_q > BLOCK_R`` the programs sharing a tile run side by side and
+the re-read is served from L2.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fp8_format import FP8_DTYPES
+from .cache import HALF_DTYPES
+
+_LOG2E = 1.4426950408889634
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# The interpreter runs every config it is given; one is enough to check the math there.
+_DECODE_CONFIGS = (
+    [triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    if _INTERPRET
+    else [
+        triton.Config({"BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
+        for block_n in (16, 32, 64)
+        for warps in (4, 8)
+        for stages in (1, 2, 3)
+    ]
+)
+
+
+def _prune_decode_configs(configs, named_args, **kwargs):
+    # A tile must sit inside one page: BLOCK_N divides the page size.
+    page = named_args["PAGE_SIZE"] if "PAGE_SIZE" in named_args else kwargs["PAGE_SIZE"]
+    kept = [c for c in configs if page % c.kwargs["BLOCK_N"] == 0]
+    return kept or configs[:1]
+
+
+@triton.autotune(
+    configs=_DECODE_CONFIGS,
+    key=["NUM_ROWS", "BLOCK_R", "D_LATENT", "PAGE_SIZE", "IS_FP8", "DIRECT_OUT"],
+    prune_configs_by={"early_config_prune": _prune_decode_configs},
+)
+@triton.jit
+def _mla_decode_split_kernel(
+    q_nope_ptr,
+    q_pe_ptr,
+    cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    kv_scale_ptr,
+    out_ptr,
+    lse_ptr,
+    qk_scale_log2,
+    stride_qn_t,
+    stride_qn_h,
+    stride_qp_t,
+    stride_qp_h,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_bt_b,
+    stride_out_t,
+    stride_out_h,
+    stride_out_s,
+    stride_lse_t,
+    stride_lse_h,
+    NUM_HEADS: tl.constexpr,
+    Q_LEN: tl.constexpr,
+    NUM_ROWS: tl.constexpr,
+    D_LATENT: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
+):
+    pid_g = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)
+    num_splits = tl.num_programs(1)
+
+    # Query row r of the request is token r // H, head r % H.
+    offs_r = pid_g * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < NUM_ROWS
+    tok_j = offs_r // NUM_HEADS
+    head = offs_r % NUM_HEADS
+    tok = pid_b * Q_LEN + tok_j
+
+    seq_len = tl.load(seq_lens_ptr + pid_b)
+    # Causal among the query tokens: token j sees cache positions < visible[j].
+    visible = seq_len - Q_LEN + 1 + tok_j  # [BLOCK_R]
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_c = tl.arange(0, D_LATENT)
+    offs_p = tl.arange(0, D_ROPE)
+    q_nope = tl.load(
+        q_nope_ptr + tok[:, None] * stride_qn_t + head[:, None] * stride_qn_h + offs_c[None, :],
+        mask=mask_r[:, None],
+        other=0.0,
+    )  # [BLOCK_R, D_LATENT]
+    q_pe = tl.load(
+        q_pe_ptr + tok[:, None] * stride_qp_t + head[:, None] * stride_qp_h + offs_p[None, :],
+        mask=mask_r[:, None],
+        other=0.0,
+    )  # [BLOCK_R, D_ROPE]
+
+    kv_scale = tl.load(kv_scale_ptr) if IS_FP8 else 1.0
+    score_scale = qk_scale_log2 * kv_scale
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, D_LATENT], tl.float32)
+
+    bt_row = block_table_ptr + pid_b * stride_bt_b
+    for n0 in range(start, end, BLOCK_N):
+        page = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        rows = cache_ptr + page * stride_cache_block + (offs_n % PAGE_SIZE)[:, None] * stride_cache_tok
+        kv_c = tl.load(rows + offs_c[None, :], mask=mask_n[:, None], other=0.0)  # [BLOCK_N, D_LATENT]
+        k_pe = tl.load(rows + D_LATENT + offs_p[None, :], mask=mask_n[:, None], other=0.0)  # [BLOCK_N, D_ROPE]
+        if IS_FP8:
+            # fp8 values are exact in bf16/fp16; the scale is applied to scores and output.
+            kv_c = kv_c.to(q_nope.dtype)
+            k_pe = k_pe.to(q_nope.dtype)
+        scores = tl.dot(q_nope, tl.trans(kv_c))
+        scores = tl.dot(q_pe, tl.trans(k_pe), scores)  # [BLOCK_R, BLOCK_N]
+        seen = mask_n[None, :] & (offs_n[None, :] < visible[:, None])
+        scores = tl.where(seen, scores * score_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # Rows that have seen nothing yet keep m = -inf; shift by 0 to avoid inf - inf.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(scores - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(kv_c.dtype), kv_c, acc * alpha[:, None])
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc * (kv_scale / tl.where(has_keys, l_i, 1.0))[:, None]
+    # ln 2 converts the base-2 running sums back to natural log.
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    out_rows = out_ptr + tok[:, None] * stride_out_t + head[:, None] * stride_out_h + offs_c[None, :]
+    if DIRECT_OUT:
+        tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask_r[:, None])
+        tl.store(lse_ptr + tok * stride_lse_t + head * stride_lse_h, lse, mask=mask_r)
+    else:
+        tl.store(out_rows + pid_s * stride_out_s, out, mask=mask_r[:, None])
+        tl.store(lse_ptr + tok * stride_lse_t + head * stride_lse_h + pid_s, lse, mask=mask_r)
+
+
+@triton.jit
+def _mla_decode_combine_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    lse_ptr,
+    num_splits,
+    stride_po_t,
+    stride_po_h,
+    stride_po_s,
+    stride_pl_t,
+    stride_pl_h,
+    stride_out_t,
+    stride_out_h,
+    stride_lse_t,
+    stride_lse_h,
+    D_LATENT: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_c = tl.arange(0, D_LATENT)
+    m = float("-inf")
+    denom = 0.0
+    acc = tl.zeros([D_LATENT], tl.float32)
+    for s in range(num_splits):
+        lse_s = tl.load(part_lse_ptr + tok * stride_pl_t + head * stride_pl_h + s)
+        if lse_s > float("-inf"):
+            out_s = tl.load(part_out_ptr + tok * stride_po_t + head * stride_po_h + s * stride_po_s + offs_c)
+            m_new = tl.maximum(m, lse_s)
+            alpha = tl.exp(m - m_new)
+            w = tl.exp(lse_s - m_new)
+            acc = acc * alpha + w * out_s
+            denom = denom * alpha + w
+            m = m_new
+    has_keys = denom > 0.0
+    out = acc / tl.where(has_keys, denom, 1.0)
+    tl.store(out_ptr + tok * stride_out_t + head * stride_out_h + offs_c, out.to(out_ptr.dtype.element_ty))
+    lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, denom, 1.0)), float("-inf"))
+    tl.store(lse_ptr + tok * stride_lse_t + head * stride_lse_h, lse)
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Per-batch launch decisions, computed once and shared by every layer.
+
+    ``num_splits`` depends only on the batch shape and the longest context, so a plan made
+    for CUDA-graph capture stays valid for any shorter context replayed in that graph.
+    """
+
+    batch: int
+    q_len: int
+    num_heads: int
+    block_rows: int
+    num_splits: int
+
+    @property
+    def row_groups(self) -> int:
+        return triton.cdiv(self.num_heads * self.q_len, self.block_rows)
+
+    def workspace_shapes(self, d_latent: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of the fp32 partial output and partial log-sum-exp buffers."""
+        tokens = self.batch * self.q_len
+        return (tokens, self.num_heads, self.num_splits, d_latent), (tokens, self.num_heads, self.num_splits)
+
+
+# Fewer than this many cache tokens per split costs more in the merge than it gains.
+MIN_TOKENS_PER_SPLIT = 256
+# Programs per multiprocessor to aim for: enough to hide the latency of the page loads.
+PROGRAMS_PER_SM = 2
+MAX_BLOCK_ROWS = 64
+
+
+def plan_decode(
+    batch: int, num_heads: int, q_len: int, max_seq_len: int, num_sms: int, num_splits: int | None = None
+) -> DecodePlan:
+    """Choose the row-group size and the split count for one decode batch.
+
+    ``num_splits`` overrides the heuristic (1 gives a deterministic, batch-invariant merge).
+    """
+    if batch < 0 or num_heads < 1 or q_len < 1:
+        raise ValueError(f"bad decode batch: batch={batch}, num_heads={num_heads}, q_len={q_len}")
+    rows = num_heads * q_len
+    block_rows = min(MAX_BLOCK_ROWS, max(16, triton.next_power_of_2(rows)))
+    if num_splits is None:
+        groups = max(1, batch) * triton.cdiv(rows, block_rows)
+        by_occupancy = triton.cdiv(PROGRAMS_PER_SM * num_sms, groups)
+        by_length = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
+        num_splits = max(1, min(by_occupancy, by_length))
+    return DecodePlan(batch, q_len, num_heads, block_rows, num_splits)
+
+
+def max_workspace_tokens_times_splits(max_batch: int, num_sms: int) -> int:
+    """An upper bound of ``batch * num_splits`` over every plan ``plan_decode`` can make for
+    batches up to ``max_batch``: reserve decode workspaces with it once, up front."""
+    return max_batch + PROGRAMS_PER_SM * num_sms
+
+
+def _validate(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, plan):
+    if q_nope.dim() != 3 or q_pe.dim() != 3 or q_nope.shape[:2] != q_pe.shape[:2]:
+        raise ValueError(f"q_nope {tuple(q_nope.shape)} and q_pe {tuple(q_pe.shape)} must be [T, H, D]")
+    num_tokens, num_heads, d_latent = q_nope.shape
+    d_rope = q_pe.shape[-1]
+    for name, dim in (("D_latent", d_latent), ("D_rope", d_rope)):
+        if dim < 16 or dim & (dim - 1) or dim > 1024:
+            raise ValueError(f"{name}={dim} is not supported: a power of two from 16 to 1024 is")
+    if q_nope.dtype not in HALF_DTYPES or q_pe.dtype != q_nope.dtype:
+        raise ValueError(f"queries must be bf16 or fp16 and match, got {q_nope.dtype}/{q_pe.dtype}")
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != d_latent + d_rope:
+        raise ValueError(f"kv_cache must be [N_blocks, B_page, {d_latent + d_rope}], got {tuple(kv_cache.shape)}")
+    page = kv_cache.shape[1]
+    if page < 16 or page & (page - 1):
+        raise ValueError(f"block size {page} is not supported: a power of two >= 16 is")
+    if kv_cache.dtype not in FP8_DTYPES and kv_cache.dtype != q_nope.dtype:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} must be fp8 E4M3/E5M2 or the query dtype {q_nope.dtype}")
+    if kv_cache.dtype in FP8_DTYPES and kv_scale is None:
+        raise ValueError("an fp8 kv_cache needs kv_scale")
+    batch = seq_lens.shape[0]
+    if batch * plan.q_len != num_tokens or plan.batch != batch or plan.num_heads != num_heads:
+        raise ValueError(
+            f"plan {plan} does not match T={num_tokens}, H={num_heads}, batch={batch}: T must be batch * q_len"
+        )
+    if block_table.dim() != 2 or block_table.shape[0] < batch:
+        raise ValueError(f"block_table must be [B, max_blocks] with B >= {batch}, got {tuple(block_table.shape)}")
+    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError(f"block_table and seq_lens must be int32, got {block_table.dtype}/{seq_lens.dtype}")
+    if q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_table.stride(-1) != 1:
+        raise ValueError("q_nope, q_pe, kv_cache and block_table need a contiguous last dimension")
+
+
+def mla_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    plan: DecodePlan,
+    kv_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-absorbed MLA decode over a paged latent cache (module docstring: the formula).
+
+    Args:
+        q_nope: ``[T, H, D_latent]`` bf16/fp16, queries already multiplied by ``W_UK``;
+            ``T = B * S_q`` with the ``S_q`` tokens of a request adjacent. Any strides with
+            a contiguous last dim (vLLM passes a transposed view).
+        q_pe: ``[T, H, D_rope]``, same dtype, the rotated query part.
+        kv_cache: ``[N_blocks, B_page, D_latent + D_rope]`` bf16/fp16 (the query dtype) or
+            ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``; ``B_page`` a power of two >= 16.
+        block_table: ``[B, max_blocks]`` int32 page ids; only the first
+            ``cdiv(seq_lens[b], B_page)`` entries of a row are read.
+        seq_lens: ``[B]`` int32 cache tokens per request, the query tokens included; 0 gives a
+            zero output and ``lse = -inf`` (CUDA-graph padding).
+        softmax_scale: multiplies ``q . k`` before the softmax.
+        plan: from ``plan_decode(B, H, S_q, max(seq_lens), num_sms)``.
+        kv_scale: ``[1]`` fp32 per-tensor dequantization scale (fp8 caches only).
+        out: optional ``[T, H, D_latent]`` output in the query dtype (CUDA-graph-safe buffer).
+        lse: optional ``[T, H]`` fp32 log-sum-exp (natural log) buffer.
+        workspace: optional fp32 ``(partial_out, partial_lse)`` of ``plan.workspace_shapes``,
+            used when ``plan.num_splits > 1``.
+
+    Returns:
+        ``(out, lse)``: ``out [T, H, D_latent]`` in the query dtype, ``lse [T, H]`` fp32.
+
+    Example::
+
+        plan = plan_decode(batch=B, num_heads=128, q_len=1, max_seq_len=4096, num_sms=132)
+        out, lse = mla_decode(q_nope, q_pe, cache, block_table, seq_lens, 192**-0.5, plan)
+    """
+    _validate(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, plan)
+    num_tokens, num_heads, d_latent = q_nope.shape
+    if out is None:
+        out = q_nope.new_empty(num_tokens, num_heads, d_latent)
+    if lse is None:
+        lse = q_nope.new_empty(num_tokens, num_heads, dtype=torch.float32)
+    if num_tokens == 0:
+        return out, lse
+    is_fp8 = kv_cache.dtype in FP8_DTYPES
+    scale = kv_scale if is_fp8 else seq_lens  # never read when not fp8
+    direct = plan.num_splits == 1
+    if direct:
+        part_out, part_lse = out, lse
+        part_out_strides = (out.stride(0), out.stride(1), 0)
+    else:
+        if workspace is None:
+            po_shape, pl_shape = plan.workspace_shapes(d_latent)
+            workspace = (
+                q_nope.new_empty(po_shape, dtype=torch.float32),
+                q_nope.new_empty(pl_shape, dtype=torch.float32),
+            )
+        part_out, part_lse = workspace
+        part_out_strides = part_out.stride()[:3]
+    grid = (plan.row_groups, plan.num_splits, plan.batch)
+    _mla_decode_split_kernel[grid](
+        q_nope,
+        q_pe,
+        kv_cache,
+        block_table,
+        seq_lens,
+        scale,
+        part_out,
+        part_lse,
+        softmax_scale * _LOG2E,
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_table.stride(0),
+        *part_out_strides,
+        part_lse.stride(0),
+        part_lse.stride(1),
+        NUM_HEADS=num_heads,
+        Q_LEN=plan.q_len,
+        NUM_ROWS=num_heads * plan.q_len,
+        D_LATENT=d_latent,
+        D_ROPE=q_pe.shape[-1],
+        PAGE_SIZE=kv_cache.shape[1],
+        BLOCK_R=plan.block_rows,
+        IS_FP8=is_fp8,
+        DIRECT_OUT=direct,
+    )
+    if not direct:
+        _mla_decode_combine_kernel[(num_tokens, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            lse,
+            plan.num_splits,
+            *part_out.stride()[:3],
+            part_lse.stride(0),
+            part_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            lse.stride(0),
+            lse.stride(1),
+            D_LATENT=d_latent,
+        )
+    return out, lse

@@ -1,0 +1,123 @@
+"""Plain-PyTorch references for the MLA kernels (fp32 math, loops over requests).
+
+Every kernel test and benchmark in latentspeed compares against these. They favour
+obviousness over speed: each request's latent cache is gathered token by token from the
+block table, dequantized to fp32 and attended with ``torch.softmax``.
+Notation: docs/notation.md.
+"""
+
+import torch
+
+from ..fp8_format import FP8_DTYPES
+
+
+def dequantize_cache(kv_cache: torch.Tensor, kv_scale: float | torch.Tensor) -> torch.Tensor:
+    """The cache in fp32: fp8 entries times the per-tensor scale, others as they are."""
+    if kv_cache.dtype in FP8_DTYPES:
+        return kv_cache.float() * float(kv_scale)
+    return kv_cache.float()
+
+
+def write_latent_cache_ref(
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: float | torch.Tensor = 1.0,
+) -> None:
+    """Scatter ``[kv_c | k_pe]`` rows into the paged cache; slots < 0 are skipped.
+
+    fp8 caches store ``clamp(x / kv_scale, -fp8_max, fp8_max)`` rounded to nearest even.
+    """
+    block_size = kv_cache.shape[1]
+    rows = torch.cat([kv_c, k_pe], dim=-1).float()
+    if kv_cache.dtype in FP8_DTYPES:
+        fp8_max = torch.finfo(kv_cache.dtype).max
+        rows = (rows / float(kv_scale)).clamp(-fp8_max, fp8_max)
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        kv_cache[slot // block_size, slot % block_size] = rows[t].to(kv_cache.dtype)
+
+
+def gather_request_cache(
+    kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int, kv_scale
+) -> torch.Tensor:
+    """The first ``seq_len`` cached tokens of one request, ``[seq_len, D_latent + D_rope]`` fp32."""
+    block_size = kv_cache.shape[1]
+    pos = torch.arange(seq_len, device=kv_cache.device)
+    pages = block_table_row.long()[pos // block_size]
+    return dequantize_cache(kv_cache[pages, pos % block_size], kv_scale)
+
+
+def mla_decode_ref(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_scale: float | torch.Tensor = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-absorbed MQA over the paged latent cache.
+
+    Shapes as in ``common_kernels.mla.mla_decode``: ``q_nope [T, H, D_latent]``,
+    ``q_pe [T, H, D_rope]``, ``T = B * S_q``; token ``j`` of request ``b`` sees cache
+    positions ``< seq_lens[b] - S_q + j + 1``. Returns ``out [T, H, D_latent]`` (fp32) and
+    ``lse [T, H]`` (fp32, natural log; ``-inf`` and a zero output where nothing is visible).
+    """
+    num_tokens, num_heads, d_latent = q_nope.shape
+    batch = seq_lens.shape[0]
+    q_len = num_tokens // batch
+    out = torch.zeros(num_tokens, num_heads, d_latent, dtype=torch.float32, device=q_nope.device)
+    lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=q_nope.device)
+    for b in range(batch):
+        seq_len = int(seq_lens[b])
+        kv = gather_request_cache(kv_cache, block_table[b], seq_len, kv_scale)
+        for j in range(q_len):
+            t = b * q_len + j
+            visible = max(0, seq_len - q_len + j + 1)
+            if visible == 0:
+                continue
+            k = kv[:visible]
+            scores = (q_nope[t].float() @ k[:, :d_latent].T + q_pe[t].float() @ k[:, d_latent:].T)
+            scores = scores * softmax_scale
+            lse[t] = torch.logsumexp(scores, dim=-1)
+            out[t] = torch.softmax(scores, dim=-1) @ k[:, :d_latent]
+    return out, lse
+
+
+def varlen_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Variable-length multi-head attention, ``q [T_q, H, D_qk]``, ``k [T_k, H, D_qk]``,
+    ``v [T_k, H, D_v]``.
+
+    With ``causal`` the mask is aligned to the bottom right: query ``i`` of a sequence sees
+    keys ``j <= i + len_k - len_q``. Returns ``out [T_q, H, D_v]`` fp32 and ``lse [H, T_q]``
+    fp32 (natural log, ``-inf`` for a query that sees no key, whose output is zero).
+    """
+    num_q, num_heads, _ = q.shape
+    out = torch.zeros(num_q, num_heads, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((num_heads, num_q), float("-inf"), dtype=torch.float32, device=q.device)
+    for s in range(cu_seqlens_q.numel() - 1):
+        q0, q1 = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1])
+        k0, k1 = int(cu_seqlens_k[s]), int(cu_seqlens_k[s + 1])
+        if q1 == q0 or k1 == k0:
+            continue
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k[k0:k1].float()) * softmax_scale
+        if causal:
+            qi = torch.arange(q1 - q0, device=q.device)[:, None]
+            kj = torch.arange(k1 - k0, device=q.device)[None, :]
+            scores = scores.masked_fill(kj > qi + (k1 - k0) - (q1 - q0), float("-inf"))
+        seq_lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - seq_lse[..., None]).nan_to_num(0.0)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v[k0:k1].float())
+        lse[:, q0:q1] = seq_lse
+    return out, lse

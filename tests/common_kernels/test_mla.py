@@ -1,0 +1,230 @@
+"""MLA kernels against the PyTorch references (CPU: Triton interpreter; small shapes).
+
+Caches are poisoned with NaN outside the written slots, unused block-table entries point far
+out of range, and outputs are poisoned before each call, so a kernel that reads or leaves
+the wrong memory fails here. Inputs are fresh random draws on every run.
+"""
+
+import math
+
+import pytest
+import torch
+
+from common_kernels.mla import (
+    mla_decode,
+    plan_decode,
+    split_head_dim,
+    varlen_attention,
+    write_latent_cache,
+)
+from common_kernels.mla.reference import mla_decode_ref, varlen_attention_ref, write_latent_cache_ref
+from tests.helpers import BATCH_SPECS, assert_close, device
+
+FP8_CACHE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+CACHE_DTYPES = {"bf16": torch.bfloat16, **FP8_CACHE}
+# (atol, rtol) of the decode output against the fp32 reference on the same (quantized) cache:
+# P is rounded to bf16 before P.V, a relative error of at most 2^-8 per weight.
+DECODE_TOL = {"bf16": (2e-2, 2e-2), "e4m3": (2e-2, 2e-2), "e5m2": (2e-2, 2e-2)}
+LSE_TOL = (2e-3, 2e-3)
+BAD_PAGE = 1 << 20  # an out-of-range page id: reading it faults or shows
+
+
+def make_paged_cache(seq_lens, block_size, d_total, cache_dtype, kv_scale):
+    """A NaN-poisoned cache with every request's pages scattered in random order, and its
+    block table (unused entries out of range)."""
+    dev = device()
+    pages_per_req = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(pages_per_req) + 3
+    fill = torch.full((num_blocks, block_size, d_total), float("nan"), device=dev)
+    order = torch.randperm(num_blocks, device=dev).tolist()
+    max_pages = max(pages_per_req + [1]) + 2
+    block_table = torch.full((len(seq_lens), max_pages), BAD_PAGE, dtype=torch.int32, device=dev)
+    for b, (n, n_pages) in enumerate(zip(seq_lens, pages_per_req)):
+        ids = [order.pop() for _ in range(n_pages)]
+        block_table[b, :n_pages] = torch.tensor(ids, dtype=torch.int32)
+        for pos in range(n):
+            fill[ids[pos // block_size], pos % block_size] = torch.randn(d_total, device=dev)
+    if cache_dtype in FP8_CACHE.values():
+        fp8_max = torch.finfo(cache_dtype).max
+        cache = (fill / kv_scale).clamp(-fp8_max, fp8_max).to(cache_dtype)
+    else:
+        cache = fill.to(cache_dtype)
+    return cache, block_table
+
+
+@pytest.mark.parametrize("spec", BATCH_SPECS.values(), ids=BATCH_SPECS.keys())
+@pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())
+@pytest.mark.parametrize("num_heads", [16, 128, 5], ids=lambda h: f"H{h}")
+@pytest.mark.parametrize("block_size", [16, 32, 64], ids=lambda b: f"page{b}")
+@pytest.mark.parametrize("num_splits", [1, 3], ids=lambda s: f"splits{s}")
+def test_decode_matches_reference(spec, cache_name, num_heads, block_size, num_splits):
+    d_latent, d_rope = 64, 16
+    dev, cache_dtype = device(), CACHE_DTYPES[cache_name]
+    kv_scale = torch.tensor([0.37], device=dev) if cache_name in FP8_CACHE else None
+    cache, block_table = make_paged_cache(
+        spec.seq_lens, block_size, d_latent + d_rope, cache_dtype, 0.37 if kv_scale is not None else 1.0
+    )
+    batch, num_tokens = len(spec.seq_lens), len(spec.seq_lens) * spec.q_len
+    q = torch.randn(num_tokens, num_heads, d_latent + d_rope, device=dev, dtype=torch.bfloat16)
+    q_nope, q_pe = q[..., :d_latent], q[..., d_latent:]  # strided views, as vLLM passes them
+    seq_lens = torch.tensor(spec.seq_lens, dtype=torch.int32, device=dev)
+    scale = (d_latent + d_rope) ** -0.5
+    plan = plan_decode(batch, num_heads, spec.q_len, max(spec.seq_lens), num_sms=4, num_splits=num_splits)
+    out = torch.full((num_tokens, num_heads, d_latent), float("nan"), dtype=torch.bfloat16, device=dev)
+    lse = torch.full((num_tokens, num_heads), float("nan"), device=dev)
+
+    mla_decode(q_nope, q_pe, cache, block_table, seq_lens, scale, plan, kv_scale=kv_scale, out=out, lse=lse)
+
+    ref_out, ref_lse = mla_decode_ref(q_nope, q_pe, cache, block_table, seq_lens, scale, kv_scale or 1.0)
+    atol, rtol = DECODE_TOL[cache_name]
+    assert_close(out, ref_out, atol=atol, rtol=rtol, name="decode out")
+    assert_close(lse, ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1], name="decode lse")
+
+
+@pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())
+def test_decode_deepseek_v3_dims(cache_name):
+    """The real DeepSeek-V3 latent sizes (512 + 64) with 16 heads, two query tokens, splits."""
+    d_latent, d_rope, num_heads, q_len = 512, 64, 16, 2
+    dev, cache_dtype = device(), CACHE_DTYPES[cache_name]
+    kv_scale = torch.tensor([0.05], device=dev) if cache_name in FP8_CACHE else None
+    seq_lens_list = (600, 2)
+    cache, block_table = make_paged_cache(
+        seq_lens_list, 64, d_latent + d_rope, cache_dtype, 0.05 if kv_scale is not None else 1.0
+    )
+    q_nope = torch.randn(4, num_heads, d_latent, device=dev, dtype=torch.bfloat16) * 0.2
+    q_pe = torch.randn(4, num_heads, d_rope, device=dev, dtype=torch.bfloat16)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=dev)
+    scale = 192**-0.5
+    plan = plan_decode(2, num_heads, q_len, 600, num_sms=2)
+    assert plan.num_splits > 1
+
+    out, lse = mla_decode(q_nope, q_pe, cache, block_table, seq_lens, scale, plan, kv_scale=kv_scale)
+
+    ref_out, ref_lse = mla_decode_ref(q_nope, q_pe, cache, block_table, seq_lens, scale, kv_scale or 1.0)
+    assert_close(out, ref_out, atol=2e-2, rtol=2e-2, name="decode out")
+    assert_close(lse, ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1], name="decode lse")
+
+
+def test_decode_rejects_bad_input():
+    dev = device()
+    q_nope = torch.randn(2, 16, 96, device=dev, dtype=torch.bfloat16)
+    q_pe = torch.randn(2, 16, 16, device=dev, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 112, device=dev, dtype=torch.bfloat16)
+    table = torch.zeros(2, 2, dtype=torch.int32, device=dev)
+    lens = torch.tensor([3, 4], dtype=torch.int32, device=dev)
+    plan = plan_decode(2, 16, 1, 4, num_sms=1)
+    with pytest.raises(ValueError, match="D_latent=96"):
+        mla_decode(q_nope, q_pe, cache, table, lens, 1.0, plan)
+    q_nope = q_nope[..., :64]
+    with pytest.raises(ValueError, match="kv_cache must be"):
+        mla_decode(q_nope, q_pe, cache, table, lens, 1.0, plan)
+    with pytest.raises(ValueError, match="needs kv_scale"):
+        mla_decode(q_nope, q_pe, cache[..., :80].contiguous().to(torch.float8_e5m2), table, lens, 1.0, plan)
+    with pytest.raises(ValueError, match="block size 24"):
+        mla_decode(q_nope, q_pe, torch.zeros(4, 24, 80, device=dev, dtype=torch.bfloat16), table, lens, 1.0, plan)
+    with pytest.raises(ValueError, match="int32"):
+        mla_decode(q_nope, q_pe, cache[..., :80].contiguous(), table.long(), lens, 1.0, plan)
+
+
+def test_plan_bounds_workspace():
+    from common_kernels.mla import max_workspace_tokens_times_splits
+
+    for batch in (1, 3, 17, 128, 512):
+        for heads in (16, 128):
+            for q_len in (1, 2):
+                plan = plan_decode(batch, heads, q_len, 1 << 17, num_sms=132)
+                assert plan.batch * plan.num_splits <= max_workspace_tokens_times_splits(batch, 132)
+                assert 1 <= plan.num_splits
+    assert plan_decode(1, 16, 1, 100, num_sms=132).num_splits == 1  # short context: no split
+
+
+@pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())
+@pytest.mark.parametrize("block_size", [16, 64], ids=lambda b: f"page{b}")
+def test_cache_write_matches_reference(cache_name, block_size):
+    d_latent, d_rope, num_tokens = 64, 16, 37
+    dev, cache_dtype = device(), CACHE_DTYPES[cache_name]
+    kv_c = torch.randn(num_tokens, d_latent, device=dev, dtype=torch.bfloat16)
+    k_pe = torch.randn(num_tokens, 1, d_rope, device=dev, dtype=torch.bfloat16)
+    num_blocks = 6
+    slots = torch.randperm(num_blocks * block_size, device=dev)[:num_tokens]
+    slots[::7] = -1  # padding tokens are skipped
+    kv_scale = torch.tensor([0.11], device=dev)
+    cache = torch.full((num_blocks, block_size, d_latent + d_rope), float("nan"), device=dev).to(cache_dtype)
+    expected = cache.clone()
+
+    write_latent_cache(kv_c, k_pe, cache, slots, kv_scale=kv_scale)
+
+    write_latent_cache_ref(kv_c, k_pe.squeeze(1), expected, slots, kv_scale)
+    assert_close(cache.float(), expected.float(), atol=0.0, rtol=0.0, name="cache")
+
+
+@pytest.mark.parametrize("cache_name", FP8_CACHE.keys())
+def test_cache_write_counts_saturation_and_nonfinite(cache_name):
+    dev, cache_dtype = device(), FP8_CACHE[cache_name]
+    fp8_max = torch.finfo(cache_dtype).max
+    kv_c = torch.randn(4, 32, device=dev, dtype=torch.bfloat16)
+    k_pe = torch.randn(4, 16, device=dev, dtype=torch.bfloat16)
+    kv_c[0, 3] = 4 * fp8_max  # saturates at scale 2
+    kv_c[2, 5] = -3 * fp8_max
+    k_pe[1, 0] = float("nan")
+    kv_c[3, 0] = float("inf")
+    cache = torch.zeros(2, 16, 48, device=dev).to(cache_dtype)
+    stats = torch.zeros(2, dtype=torch.int32, device=dev)
+
+    write_latent_cache(kv_c, k_pe, cache, torch.arange(4, device=dev), torch.tensor([2.0], device=dev), stats)
+
+    assert stats.tolist() == [2, 2]
+    assert cache[0, 0, 3].float().item() == fp8_max
+    assert cache[0, 2, 5].float().item() == -fp8_max
+
+
+def test_cache_write_rejects_mismatched_cache():
+    dev = device()
+    kv_c = torch.randn(2, 64, device=dev, dtype=torch.bfloat16)
+    k_pe = torch.randn(2, 16, device=dev, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"\[num_blocks, block_size, 80\]"):
+        write_latent_cache(kv_c, k_pe, torch.zeros(2, 16, 64, device=dev, dtype=torch.bfloat16), torch.arange(2))
+    with pytest.raises(ValueError, match="needs kv_scale"):
+        write_latent_cache(kv_c, k_pe, torch.zeros(2, 16, 80, device=dev).to(torch.float8_e4m3fn), torch.arange(2))
+    with pytest.raises(ValueError, match="must be fp8 or match"):
+        write_latent_cache(kv_c, k_pe, torch.zeros(2, 16, 80, device=dev, dtype=torch.float16), torch.arange(2))
+
+
+PREFILL_CASES = {
+    # name: (query lengths, key lengths, causal)
+    "new_tokens_causal": ((5, 17, 1, 33), (5, 17, 1, 33), True),
+    "context_chunk": ((5, 17, 3), (40, 0, 9), False),
+    "longer_keys_causal": ((3, 20), (19, 50), True),
+}
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES.values(), ids=PREFILL_CASES.keys())
+@pytest.mark.parametrize("d_qk,d_v", [(192, 128), (64, 32)], ids=["qk192_v128", "qk64_v32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_varlen_attention_matches_reference(case, d_qk, d_v, dtype):
+    q_lens, k_lens, causal = case
+    dev, num_heads = device(), 3
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    q = torch.randn(sum(q_lens), num_heads, d_qk, device=dev, dtype=dtype)
+    kv = torch.randn(sum(k_lens), num_heads, d_qk + d_v, device=dev, dtype=dtype)
+    k, v = kv[..., :d_qk], kv[..., d_qk:]  # non-contiguous, as vLLM's split views
+    out = torch.full((sum(q_lens), num_heads, d_v), float("nan"), device=dev, dtype=dtype)
+    scale = d_qk**-0.5
+
+    got, lse = varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), scale, causal, return_lse=True, out=out)
+
+    ref, ref_lse = varlen_attention_ref(q, k, v, cu_q, cu_k, scale, causal)
+    assert got.data_ptr() == out.data_ptr()
+    assert lse.shape == (num_heads, sum(q_lens)) and lse.is_contiguous()
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    assert_close(got, ref, atol=tol, rtol=tol, name="prefill out")
+    assert_close(lse, ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1], name="prefill lse")
+
+
+def test_split_head_dim():
+    assert split_head_dim(192) == (128, 64)
+    assert split_head_dim(128) == (128, 0)
+    for bad in (96 + 8, 200, 8):
+        with pytest.raises(ValueError, match=f"head size {bad}"):
+            split_head_dim(bad)

@@ -1,0 +1,61 @@
+"""Shared test helpers: one assert_close for every kernel test, and the named batch scenarios
+used by kernel and adapter tests alike."""
+
+from dataclasses import dataclass
+
+import torch
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float, name: str = "") -> None:
+    """Elementwise ``|a - e| <= atol + rtol * |e|`` with equal NaN/Inf placement.
+
+    On failure the message gives the max abs error and where, the relative RMS error and where
+    non-finite values disagree, so a failure says what went wrong without a debugger.
+    """
+    actual = actual.detach().float().cpu()
+    expected = expected.detach().float().cpu()
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
+    inf_a, inf_e = torch.isinf(actual), torch.isinf(expected)
+    bad_place = (nan_a != nan_e) | (inf_a != inf_e) | (inf_a & inf_e & (actual.sign() != expected.sign()))
+    finite = torch.isfinite(actual) & torch.isfinite(expected)
+    diff = (actual - expected).abs().where(finite, torch.zeros(()))
+    limit = atol + rtol * expected.abs().where(finite, torch.zeros(()))
+    over = diff > limit
+    if bad_place.any() or over.any():
+        idx = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.numel() else ()
+        ref_rms = expected.where(finite, torch.zeros(())).pow(2).mean().sqrt()
+        rel_rms = (diff.pow(2).mean().sqrt() / ref_rms.clamp_min(1e-30)).item()
+        first_bad = bad_place.nonzero()[:5].tolist()
+        raise AssertionError(
+            f"{name}: {int(over.sum())} of {over.numel()} elements beyond atol={atol}, rtol={rtol}; "
+            f"max abs err {diff.max().item():.3e} at {idx} (actual {actual[idx].item():.4g}, "
+            f"expected {expected[idx].item():.4g}); rel RMS err {rel_rms:.3e}; "
+            f"NaN/Inf placement differs at {int(bad_place.sum())} elements, first {first_bad}"
+        )
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """One batch of requests: cache lengths (query tokens included) and query tokens per request."""
+
+    name: str
+    seq_lens: tuple[int, ...]
+    q_len: int = 1
+
+
+BATCH_SPECS = {
+    spec.name: spec
+    for spec in (
+        BatchSpec("pure_decode", (33, 7, 64, 129)),
+        BatchSpec("single_long", (517,)),
+        BatchSpec("ragged_with_empty", (0, 45, 1, 96, 0)),
+        BatchSpec("last_page_half_full", (24, 56)),
+        BatchSpec("spec_decode_2", (40, 3, 77), q_len=2),
+        BatchSpec("spec_decode_4", (66, 4), q_len=4),
+    )
+}

@@ -1,0 +1,32 @@
+"""latentspeed's vLLM adapter: thin glue over ``common_kernels``.
+
+``register()`` is the ``vllm.general_plugins`` entry point; vLLM calls it in every process
+(front end, engine core, each worker). It registers:
+
+- ``LatentspeedMLABackend`` as ``AttentionBackendEnum.CUSTOM`` (``--attention-backend CUSTOM``);
+- ``LatentspeedMLAPrefill`` as ``MLAPrefillBackendEnum.CUSTOM``
+  (``-ac '{"mla_prefill_backend": "CUSTOM"}'``).
+
+Classes are registered by path, so nothing heavy is imported until vLLM selects them.
+"""
+
+_registered = False
+
+BACKEND_PATH = "vllm_plugin.mla.LatentspeedMLABackend"
+PREFILL_PATH = "vllm_plugin.mla_prefill.LatentspeedMLAPrefill"
+
+
+def register() -> None:
+    """Register latentspeed's backends with vLLM; idempotent, raises on an unsupported vLLM."""
+    global _registered
+    if _registered:
+        return
+    from ._compat import check_vllm
+
+    check_vllm()
+    from vllm.v1.attention.backends.mla.prefill import MLAPrefillBackendEnum, register_mla_prefill_backend
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, PREFILL_PATH)
+    _registered = True
