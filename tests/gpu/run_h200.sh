@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench e2e-bf16 e2e-fp8
+# Logs and JSON land in $OUT (the device tool's output folder) or ./gpu-out.
+set -uo pipefail
+out=${OUT:-gpu-out}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+status=0
+for step in "$@"; do
+  case $step in
+    smoke)
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$out/card.txt"
+      python3 -c "import vllm, torch, triton; print('vllm', vllm.__version__, 'torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/card.txt"
+      git rev-parse HEAD 2>/dev/null | tee -a "$out/card.txt" ;;
+    kernels)
+      python3 -m pytest -q -x tests/gpu tests/common_kernels -p no:warnings 2>&1 | tail -n 30 | tee "$out/kernels.log" ;;
+    bench)
+      python3 benchmarks/mla_decode.py --out "$out/mla_decode.json" 2>&1 | tee "$out/bench.log" | tail -n 80 ;;
+    e2e-bf16)
+      python3 tests/gpu/vllm_e2e.py --group bf16 --throughput --workdir /tmp/e2e --out "$out/e2e-bf16.json" 2>&1 \
+        | tee "$out/e2e-bf16.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
+    e2e-fp8)
+      python3 tests/gpu/vllm_e2e.py --group fp8 --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-fp8.json" 2>&1 \
+        | tee "$out/e2e-fp8.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+  rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "step $step failed rc=$rc"; status=1; }
+done
+exit $status

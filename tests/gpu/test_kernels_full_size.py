@@ -1,0 +1,64 @@
+"""The MLA kernels against the PyTorch references at DeepSeek-V3 sizes, on a GPU.
+
+    pytest tests/gpu -q          (skipped without a GPU)
+"""
+
+import pytest
+import torch
+
+from common_kernels.mla import mla_decode, plan_decode, varlen_attention, write_latent_cache
+from common_kernels.mla.reference import mla_decode_ref, varlen_attention_ref, write_latent_cache_ref
+from tests.common_kernels.test_mla import CACHE_DTYPES, FP8_CACHE, make_paged_cache
+from tests.helpers import assert_close
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())
+@pytest.mark.parametrize("num_heads", [16, 128], ids=lambda h: f"H{h}")
+@pytest.mark.parametrize("q_len", [1, 2], ids=lambda q: f"q{q}")
+@pytest.mark.parametrize("block_size", [16, 64], ids=lambda b: f"page{b}")
+def test_decode_full_size(cache_name, num_heads, q_len, block_size):
+    seq_lens_list = (4097, 1, 2900, 0 if q_len == 1 else 2, 777, 6000)
+    cache_dtype = CACHE_DTYPES[cache_name]
+    kv_scale = torch.tensor([0.02], device="cuda") if cache_name in FP8_CACHE else None
+    cache, table = make_paged_cache(seq_lens_list, block_size, 576, cache_dtype, 0.02 if kv_scale is not None else 1.0)
+    tokens = len(seq_lens_list) * q_len
+    q_nope = torch.randn(tokens, num_heads, 512, device="cuda", dtype=torch.bfloat16) * 0.1
+    q_pe = torch.randn(tokens, num_heads, 64, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor(seq_lens_list, dtype=torch.int32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = plan_decode(len(seq_lens_list), num_heads, q_len, max(seq_lens_list), sms)
+    out, lse = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale)
+    ref, ref_lse = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0)
+    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="decode out")
+    assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="decode lse")
+
+
+@pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())
+def test_cache_write_full_size(cache_name):
+    cache_dtype = CACHE_DTYPES[cache_name]
+    kv_c = torch.randn(3000, 512, device="cuda", dtype=torch.bfloat16) * 3
+    k_pe = torch.randn(3000, 1, 64, device="cuda", dtype=torch.bfloat16) * 3
+    slots = torch.randperm(64 * 64, device="cuda")[:3000]
+    slots[::11] = -1
+    scale = torch.tensor([0.01], device="cuda")
+    cache = torch.full((64, 64, 576), float("nan"), device="cuda").to(cache_dtype)
+    expected = cache.clone()
+    write_latent_cache(kv_c, k_pe, cache, slots, kv_scale=scale)
+    write_latent_cache_ref(kv_c, k_pe.squeeze(1), expected, slots, scale)
+    assert_close(cache.float(), expected.float(), atol=0.0, rtol=0.0, name="cache")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["new_tokens", "context"])
+def test_prefill_full_size(causal):
+    q_lens = [1500, 37, 800]
+    k_lens = q_lens if causal else [4000, 0, 123]
+    cu_q = torch.tensor([0, 1500, 1537, 2337], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(q_lens), 128, 192, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(sum(k_lens), 128, 192 + 128, device="cuda", dtype=torch.bfloat16)
+    out, lse = varlen_attention(q, kv[..., :192], kv[..., 192:], cu_q, cu_k, 1500, 192**-0.5, causal, return_lse=True)
+    ref, ref_lse = varlen_attention_ref(q, kv[..., :192], kv[..., 192:], cu_q, cu_k, 192**-0.5, causal)
+    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="prefill out")
+    assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="prefill lse")

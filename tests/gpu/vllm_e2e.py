@@ -1,0 +1,241 @@
+"""latentspeed inside stock vLLM on a GPU: log-prob agreement with FLASHMLA, and throughput.
+
+Needs a GPU host with vLLM 0.26.0 and latentspeed installed (the entry point registers the
+backend). Builds the tiny DeepSeek-V3 of ``examples/tiny_deepseek_v3.py`` (real MLA sizes,
+random weights at init scale, saved as safetensors), then, one engine per process:
+
+- agreement: each backend decodes greedy continuations of long prompts (3k-12k tokens);
+  the other backend scores the same sequences as prompts (prefill path), and the
+  differences of the generated tokens' log-probs are summarised, both ways. FLASHMLA vs
+  TRITON_MLA in bf16 gives the floor between two correct built-ins, measured in the same
+  run. latentspeed must stay within twice that floor.
+- prefix caching: the latentspeed engine decodes the same prompts twice; the second pass
+  reads the cached prefix, through the chunked-context prefill path.
+- throughput: 64 requests x 1024 prompt tokens x 128 output tokens, and 16 requests x 16k
+  prompt tokens x 128 output tokens, with full CUDA graphs for decode.
+
+    python tests/gpu/vllm_e2e.py --group bf16 --workdir /tmp/e2e --out results.json
+
+Exits non-zero when an agreement bound is exceeded.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+GEN_TOKENS = 64
+ENGINES = {
+    # name: (attention backend, MLA prefill backend, kv-cache dtype)
+    "FLASHMLA-bf16": ("FLASHMLA", None, "auto"),
+    "TRITON_MLA-bf16": ("TRITON_MLA", None, "auto"),
+    "latentspeed-bf16": ("CUSTOM", "CUSTOM", "auto"),
+    "FLASHMLA-fp8": ("FLASHMLA", None, "fp8"),
+    "latentspeed-fp8": ("CUSTOM", "CUSTOM", "fp8"),
+    "latentspeed-fp8_e5m2": ("CUSTOM", "CUSTOM", "fp8_e5m2"),
+}
+# (engine that decodes, engine that scores) pairs per group; the first is the floor.
+PAIRS = {
+    "bf16": [
+        ("FLASHMLA-bf16", "TRITON_MLA-bf16"),
+        ("FLASHMLA-bf16", "latentspeed-bf16"),
+    ],
+    "fp8": [
+        ("FLASHMLA-fp8", "latentspeed-fp8"),
+        ("FLASHMLA-bf16", "latentspeed-fp8_e5m2"),
+    ],
+}
+# Floor measured between TRITON_MLA and FLASHMLA (issue #2): mean 0.010, p99 0.21, max 0.53.
+STATED_FLOOR = {"mean": 0.010, "p99": 0.21, "max": 0.53}
+
+
+def prompts(seed: int, count: int, low: int, high: int, vocab: int = 4096) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, vocab, size=int(n)).tolist() for n in rng.integers(low, high + 1, size=count)]
+
+
+def make_llm(model: str, engine: str, max_model_len: int):
+    from vllm import LLM
+
+    backend, prefill, kv_dtype = ENGINES[engine]
+    return LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        kv_cache_dtype=kv_dtype,
+        block_size=64,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.8,
+        seed=0,
+        attention_config={"backend": backend, **({"mla_prefill_backend": prefill} if prefill else {})},
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]},
+    )
+
+
+def generate(llm, token_prompts, max_tokens=GEN_TOKENS):
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_prompts], params, use_tqdm=False)
+    result = []
+    for prompt, out in zip(token_prompts, outs):
+        completion = out.outputs[0]
+        tokens = list(completion.token_ids)
+        logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, tokens)]
+        result.append({"prompt": prompt, "tokens": tokens, "logprobs": logprobs})
+    return result
+
+
+def score(llm, sequences):
+    """Prompt log-probs of each sequence's generated tokens (the prefill path)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    full = [s["prompt"] + s["tokens"] for s in sequences]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in full], params, use_tqdm=False)
+    scored = []
+    for seq, ids, out in zip(sequences, full, outs):
+        start = len(seq["prompt"])
+        scored.append([out.prompt_logprobs[i][ids[i]].logprob for i in range(start, len(ids))])
+    return scored
+
+
+def throughput(llm, num_requests, prompt_len, out_len, seed):
+    from vllm import SamplingParams, TokensPrompt
+
+    batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(seed, num_requests, prompt_len, prompt_len)]
+    llm.generate(batch[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    first = [TokensPrompt(prompt_token_ids=p) for p in prompts(seed + 1, num_requests, prompt_len, prompt_len)]
+    t0 = time.perf_counter()
+    llm.generate(first, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    llm.generate(batch, SamplingParams(max_tokens=out_len, ignore_eos=True), use_tqdm=False)
+    total_s = time.perf_counter() - t0
+    decode_s = max(total_s - prefill_s, 1e-9)
+    return {
+        "requests": num_requests, "prompt_len": prompt_len, "output_len": out_len, "total_s": total_s,
+        "prefill_s": prefill_s, "output_tok_s": num_requests * out_len / total_s,
+        "decode_tok_s_est": num_requests * (out_len - 1) / decode_s,
+    }
+
+
+def worker(args):
+    """One engine: decode the shared prompts, score other engines' sequences, time it."""
+    task = json.loads(Path(args.task).read_text())
+    llm = make_llm(task["model"], task["engine"], max_model_len=17_000)
+    result = {"engine": task["engine"]}
+    if task.get("generate"):
+        token_prompts = prompts(0, 8, 3000, 12000)
+        result["generated"] = generate(llm, token_prompts)
+        if ENGINES[task["engine"]][0] == "CUSTOM":
+            again = generate(llm, token_prompts)  # prefix cache hit on every prompt
+            diffs = [abs(a - b) for s, t in zip(result["generated"], again) for a, b in zip(s["logprobs"], t["logprobs"])]
+            same = all(s["tokens"] == t["tokens"] for s, t in zip(result["generated"], again))
+            result["prefix_cache_rerun"] = {"same_tokens": same, "max_abs_logprob_diff": max(diffs)}
+    result["scores"] = {}
+    for other in task.get("score", []):
+        sequences = json.loads(Path(task["workdir"], f"{other}.json").read_text())["generated"]
+        result["scores"][other] = score(llm, sequences)
+    if task.get("throughput"):
+        result["throughput"] = [throughput(llm, 64, 1024, 128, seed=10), throughput(llm, 16, 16_000, 128, seed=20)]
+    Path(task["workdir"], f"{task['engine']}{task.get('suffix', '')}.json").write_text(json.dumps(result))
+
+
+def run_engine(workdir: Path, model: str, engine: str, **task):
+    task_path = workdir / f"task-{engine}{task.get('suffix', '')}.json"
+    task_path.write_text(json.dumps({"model": model, "engine": engine, "workdir": str(workdir), **task}))
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "worker", "--task", str(task_path)], cwd=REPO)
+    print(f"[e2e] {engine} {task} finished rc={proc.returncode} in {time.perf_counter() - t0:.0f}s", flush=True)
+    if proc.returncode:
+        raise SystemExit(f"engine {engine} failed (rc={proc.returncode})")
+    return json.loads((workdir / f"{engine}{task.get('suffix', '')}.json").read_text())
+
+
+def summarize(decode_lps, score_lps):
+    diffs = np.abs(np.concatenate([np.array(a) - np.array(b) for a, b in zip(decode_lps, score_lps)]))
+    return {"mean": float(diffs.mean()), "p99": float(np.quantile(diffs, 0.99)), "max": float(diffs.max()), "n": int(diffs.size)}
+
+
+def driver(args):
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = str(workdir / "tiny-dsv3")
+    if not (Path(model) / "config.json").exists():
+        sys.path.insert(0, str(REPO / "examples"))
+        from tiny_deepseek_v3 import make_tiny_deepseek_v3
+
+        make_tiny_deepseek_v3(model)
+    pairs = PAIRS[args.group]
+    engines = sorted({e for pair in pairs for e in pair}, key=list(ENGINES).index)
+    runs = {}
+    for engine in engines:  # everyone decodes; each scores what its partner decoded, if ready
+        previous = workdir / f"{engine}.json"
+        if args.reuse and previous.exists():
+            runs[engine] = json.loads(previous.read_text())
+            continue
+        partners = [a if b == engine else b for a, b in pairs if engine in (a, b)]
+        ready = [p for p in partners if p in runs]
+        runs[engine] = run_engine(workdir, model, engine, generate=True, score=ready,
+                                  throughput=args.throughput and engine != "TRITON_MLA-bf16")
+    for engine in engines:  # scores that were not ready on the first pass
+        partners = [a if b == engine else b for a, b in pairs if engine in (a, b)]
+        missing = [p for p in partners if p not in runs[engine]["scores"]]
+        if missing:
+            runs[engine]["scores"].update(run_engine(workdir, model, engine, score=missing, suffix="-score")["scores"])
+    report = {"group": args.group, "pairs": [], "engines": {}}
+    failed = []
+    floor = None
+    for decoder, scorer in pairs:
+        for a, b in ((decoder, scorer), (scorer, decoder)):
+            gen = runs[a]["generated"]
+            stats = summarize([g["logprobs"] for g in gen], runs[b]["scores"][a])
+            entry = {"decoded_by": a, "scored_by": b, **stats}
+            report["pairs"].append(entry)
+            print(f"[e2e] decode {a:>22} / prefill {b:>22}: mean {stats['mean']:.4f} p99 {stats['p99']:.3f} "
+                  f"max {stats['max']:.3f} over {stats['n']} tokens", flush=True)
+            if "TRITON_MLA" in a or "TRITON_MLA" in b:
+                floor = stats if floor is None else {k: max(floor[k], stats[k]) for k in ("mean", "p99", "max")}
+            elif "e5m2" not in a + b:
+                bound = floor or STATED_FLOOR
+                if any(stats[k] > 2 * bound[k] for k in ("mean", "p99", "max")):
+                    failed.append(entry)
+    report["floor"] = floor or STATED_FLOOR
+    for engine, run in runs.items():
+        report["engines"][engine] = {k: run[k] for k in ("throughput", "prefix_cache_rerun") if k in run}
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    for engine, info in report["engines"].items():
+        for t in info.get("throughput", []):
+            print(f"[e2e] {engine:>22}: {t['requests']}x{t['prompt_len']}+{t['output_len']}: "
+                  f"{t['output_tok_s']:.0f} out tok/s, prefill {t['prefill_s']:.2f}s, total {t['total_s']:.2f}s")
+        if "prefix_cache_rerun" in info:
+            print(f"[e2e] {engine:>22}: prefix-cache rerun {info['prefix_cache_rerun']}")
+    if failed:
+        raise SystemExit(f"agreement beyond twice the floor: {failed}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd")
+    w = sub.add_parser("worker")
+    w.add_argument("--task", required=True)
+    parser.add_argument("--group", choices=sorted(PAIRS), default="bf16")
+    parser.add_argument("--workdir", default="/tmp/latentspeed-e2e")
+    parser.add_argument("--out", default="e2e.json")
+    parser.add_argument("--throughput", action="store_true")
+    parser.add_argument("--reuse", action="store_true", help="reuse decodes an earlier run left in --workdir")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    worker(args) if args.cmd == "worker" else driver(args)
+
+
+if __name__ == "__main__":
+    main()
