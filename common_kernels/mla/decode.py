@@ -33,31 +33,21 @@ from .cache import HALF_DTYPES
 _LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# The interpreter runs every config it is given; one is enough to check the math there.
-_DECODE_CONFIGS = (
-    [triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    if _INTERPRET
-    else [
-        triton.Config({"BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
-        for block_n in (16, 32, 64)
-        for warps in (4, 8)
-        for stages in (1, 2, 3)
-    ]
-)
+
+def _launch_config(block_rows: int, page_size: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, num_stages)`` for a decode launch: fixed per shape, so a CUDA
+    graph can be captured without benchmarking inside the capture (Triton's autotuner
+    times candidates with device syncs, which capture forbids) and every batch of a shape
+    runs the same code. A 64-row fp32 accumulator of 512 columns fills 8 warps' registers,
+    so wide row groups take 8 warps and 32-token tiles; narrow ones 4 warps and 64-token
+    tiles. Tiles never cross a page."""
+    if _INTERPRET:
+        return 16, 4, 1
+    if block_rows >= 64:
+        return min(page_size, 32), 8, 2
+    return min(page_size, 64), 4, 2
 
 
-def _prune_decode_configs(configs, named_args, **kwargs):
-    # A tile must sit inside one page: BLOCK_N divides the page size.
-    page = named_args["PAGE_SIZE"] if "PAGE_SIZE" in named_args else kwargs["PAGE_SIZE"]
-    kept = [c for c in configs if page % c.kwargs["BLOCK_N"] == 0]
-    return kept or configs[:1]
-
-
-@triton.autotune(
-    configs=_DECODE_CONFIGS,
-    key=["NUM_ROWS", "BLOCK_R", "D_LATENT", "PAGE_SIZE", "IS_FP8", "DIRECT_OUT"],
-    prune_configs_by={"early_config_prune": _prune_decode_configs},
-)
 @triton.jit
 def _mla_decode_split_kernel(
     q_nope_ptr,
@@ -363,6 +353,7 @@ def mla_decode(
         part_out, part_lse = workspace
         part_out_strides = part_out.stride()[:3]
     grid = (plan.row_groups, plan.num_splits, plan.batch)
+    block_n, num_warps, num_stages = _launch_config(plan.block_rows, kv_cache.shape[1])
     _mla_decode_split_kernel[grid](
         q_nope,
         q_pe,
@@ -392,6 +383,9 @@ def mla_decode(
         BLOCK_R=plan.block_rows,
         IS_FP8=is_fp8,
         DIRECT_OUT=direct,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if not direct:
         _mla_decode_combine_kernel[(num_tokens, num_heads)](

@@ -13,7 +13,7 @@ for step in "$@"; do
       python3 -c "import vllm, torch, triton; print('vllm', vllm.__version__, 'torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/card.txt"
       git rev-parse HEAD 2>/dev/null | tee -a "$out/card.txt" ;;
     kernels)
-      python3 -m pytest -q -x tests/gpu tests/common_kernels -p no:warnings 2>&1 | tail -n 30 | tee "$out/kernels.log" ;;
+      python3 -m pytest -q -x tests/gpu -p no:warnings --durations=5 2>&1 | tail -n 30 | tee "$out/kernels.log" ;;
     bench)
       python3 benchmarks/mla_decode.py --out "$out/mla_decode.json" 2>&1 | tee "$out/bench.log" | tail -n 80 ;;
     e2e-bf16)

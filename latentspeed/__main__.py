@@ -1,0 +1,5 @@
+import sys
+
+from latentspeed.cli import main
+
+sys.exit(main())

@@ -1,0 +1,164 @@
+"""The ``latentspeed`` command.
+
+    latentspeed info [--json]   versions, GPU, and which latentspeed components are usable here
+    latentspeed demo            on a GPU with vLLM: the tiny DeepSeek-V3 through vLLM with
+                                latentspeed and with FLASHMLA, side by side; without a GPU: one
+                                decode step through the kernels (Triton interpreter) against
+                                the PyTorch reference
+"""
+
+import argparse
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+DEEPSEEK_V3_MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _gpu() -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"available": False}
+    major, minor = torch.cuda.get_device_capability(0)
+    return {"available": True, "name": torch.cuda.get_device_name(0), "capability": f"{major}.{minor}"}
+
+
+def _vllm_components(gpu: dict) -> list[dict]:
+    """Whether each vLLM-facing component registers and, on this GPU, covers DeepSeek-V3."""
+    import torch
+
+    from common_kernels.mla import is_supported
+
+    rows = []
+    if _version("vllm") is None:
+        reason = "vLLM is not installed (pip install 'latentspeed[vllm]')"
+        return [{"component": name, "usable": False, "why": reason} for name in ("vllm MLA decode", "vllm MLA prefill")]
+    try:
+        import vllm_plugin
+
+        vllm_plugin.register()
+        from vllm.v1.attention.backends.mla.prefill import MLAPrefillBackendEnum
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        registered = {
+            "vllm MLA decode": AttentionBackendEnum.CUSTOM.get_path() == vllm_plugin.BACKEND_PATH,
+            "vllm MLA prefill": MLAPrefillBackendEnum.CUSTOM.get_path() == vllm_plugin.PREFILL_PATH,
+        }
+    except Exception as err:  # report, never crash: this command diagnoses broken installs
+        return [{"component": n, "usable": False, "why": f"{type(err).__name__}: {err}"} for n in ("vllm MLA decode", "vllm MLA prefill")]
+    capability = tuple(int(x) for x in gpu["capability"].split(".")) if gpu["available"] else None
+    for name, ok_registered in registered.items():
+        if not ok_registered:
+            rows.append({"component": name, "usable": False, "why": "another plugin took the CUSTOM slot"})
+            continue
+        for cache_name, cache_dtype in (("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+            if name.endswith("prefill") and cache_name != "bf16":
+                continue
+            ok, why = is_supported(
+                num_heads=128, dtype=torch.bfloat16, cache_dtype=cache_dtype, capability=capability, **DEEPSEEK_V3_MLA
+            )
+            if ok and capability is None:
+                ok, why = False, "registered; no GPU here to run it"
+            label = name if name.endswith("prefill") else f"{name} ({cache_name} cache)"
+            rows.append({"component": label, "usable": ok, "why": why or "DeepSeek-V3 MLA shapes supported"})
+    return rows
+
+
+def info(as_json: bool) -> int:
+    import torch
+
+    report = {
+        "versions": {d: _version(d) for d in ("latentspeed", "vllm", "sglang", "torch", "triton")},
+        "gpu": _gpu(),
+        "fp8_guard": os.environ.get("LATENTSPEED_FP8_GUARD", "warn"),
+    }
+    report["components"] = _vllm_components(report["gpu"])
+    report["components"].append(
+        {"component": "sglang adapter", "usable": False, "why": "not part of this release (SGLang support is planned)"}
+    )
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print("versions: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in report["versions"].items()))
+    gpu = report["gpu"]
+    print(f"gpu: {gpu['name']} (compute capability {gpu['capability']})" if gpu["available"] else "gpu: none")
+    print(f"torch sees CUDA: {torch.cuda.is_available()}; fp8 guard: {report['fp8_guard']}")
+    width = max(len(c["component"]) for c in report["components"])
+    for c in report["components"]:
+        print(f"  {c['component']:<{width}}  {'usable' if c['usable'] else 'NOT usable'}: {c['why']}")
+    return 0
+
+
+def demo() -> int:
+    """The main job: see the module docstring."""
+    import torch
+
+    if torch.cuda.is_available() and _version("vllm"):
+        script = Path.cwd() / "tests" / "gpu" / "vllm_e2e.py"
+        if not script.exists():
+            print("latentspeed demo: run it from a latentspeed checkout (tests/gpu/vllm_e2e.py is needed)")
+            return 2
+        return subprocess.call([sys.executable, str(script), "--group", "bf16", "--throughput", "--out", "latentspeed-demo.json"])
+    print("No GPU with vLLM here: running one MLA decode step through the Triton kernels in interpreter mode")
+    os.environ["TRITON_INTERPRET"] = "1"
+    return subprocess.call([sys.executable, "-c", _INTERPRETED_DECODE_STEP])
+
+
+# Runs in a fresh interpreter: TRITON_INTERPRET must be set before Triton kernels are defined.
+_INTERPRETED_DECODE_STEP = r"""
+import torch
+from common_kernels.mla import mla_decode, plan_decode, write_latent_cache
+from common_kernels.mla.reference import mla_decode_ref
+
+torch.manual_seed(0)
+heads, d_latent, d_rope, page, seq_lens = 16, 512, 64, 64, [300, 77]
+scale = (128 + d_rope) ** -0.5
+print(f"DeepSeek-V3 MLA sizes: {heads} heads, latent {d_latent} + rope {d_rope}, page {page}, contexts {seq_lens}")
+for name, dtype in (("bf16", torch.bfloat16), ("fp8 E4M3", torch.float8_e4m3fn), ("fp8 E5M2", torch.float8_e5m2)):
+    cache = torch.zeros(8, page, d_latent + d_rope).to(dtype)
+    table = torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 7, 7]], dtype=torch.int32)
+    kv_scale = torch.tensor([0.05])
+    for b, n in enumerate(seq_lens):
+        slots = torch.stack([table[b, p // page] * page + p % page for p in range(n)])
+        kv = torch.randn(n, d_latent + d_rope, dtype=torch.bfloat16)
+        write_latent_cache(kv[:, :d_latent], kv[:, d_latent:], cache, slots, kv_scale=kv_scale)
+    q_nope = torch.randn(2, heads, d_latent, dtype=torch.bfloat16) * 0.1
+    q_pe = torch.randn(2, heads, d_rope, dtype=torch.bfloat16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    plan = plan_decode(2, heads, 1, max(seq_lens), num_sms=4)
+    fp8 = dtype != torch.bfloat16
+    out, lse = mla_decode(q_nope, q_pe, cache, table, lens, scale, plan, kv_scale=kv_scale if fp8 else None)
+    ref, ref_lse = mla_decode_ref(q_nope, q_pe, cache, table, lens, scale, kv_scale if fp8 else 1.0)
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    print(f"  {name:>8} cache: kernel vs reference: relative error {rel:.2e}, "
+          f"max |lse diff| {(lse - ref_lse).abs().max().item():.2e} ({plan.num_splits} KV splits)")
+    assert rel < 1e-2, "kernel and reference disagree"
+print("ok")
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    # vLLM logs to stdout by default; keep stdout for this command's own report.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    parser = argparse.ArgumentParser(prog="latentspeed", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    info_parser = sub.add_parser("info", help="versions, GPU and usable components")
+    info_parser.add_argument("--json", action="store_true")
+    sub.add_parser("demo", help="the main job (see above)")
+    args = parser.parse_args(argv)
+    return info(args.json) if args.command == "info" else demo()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
