@@ -5,8 +5,11 @@ VLLM_PIN=0.26.0
 TORCH_PIN=2.11.0
 root=${LATENTSPEED_VENV_ROOT:-$HOME/.cache/latentspeed}
 VENV=$root/venv-vllm-$VLLM_PIN-torch-$TORCH_PIN
-python=$(command -v python3.12 2>/dev/null || ls -1 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1 || true)
-python=${python:-$(command -v python3)}
+python=
+for candidate in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 python3; do
+  if "$candidate" -c 'import sys; assert sys.version_info >= (3, 10)' >/dev/null 2>&1; then python=$candidate; break; fi
+done
+[ -n "$python" ] || { echo "no Python >= 3.10 found" >&2; exit 1; }
 if [ ! -f "$VENV/.ready" ]; then
   echo "== creating $VENV with $($python --version) (vllm==$VLLM_PIN, torch==$TORCH_PIN; several GB, once)"
   rm -rf "$VENV"
