@@ -42,7 +42,7 @@ def _vllm_components(gpu: dict) -> list[dict]:
 
     rows = []
     if _version("vllm") is None:
-        reason = "vLLM is not installed (pip install 'latentspeed[vllm]')"
+        reason = "vLLM is not installed (pip install vllm==0.26.0)"
         return [{"component": name, "usable": False, "why": reason} for name in ("vllm MLA decode", "vllm MLA prefill")]
     try:
         import vllm_plugin

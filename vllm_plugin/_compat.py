@@ -14,7 +14,7 @@ def check_vllm() -> str:
     try:
         found = version("vllm")
     except PackageNotFoundError as err:
-        raise UnsupportedVllmError("vLLM is not installed: pip install 'latentspeed[vllm]'") from err
+        raise UnsupportedVllmError("vLLM is not installed: pip install vllm==0.26.0") from err
     missing = []
     try:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum

@@ -1,0 +1,76 @@
+"""Render benchmarks/mla_decode.py's JSON as a markdown table of ratios and a PNG plot.
+
+    python benchmarks/report_mla_decode.py results/mla_decode-2026-11-30.json \
+        --md results/mla_decode-2026-11-30-table.md --png results/mla_decode-2026-11-30.png
+"""
+
+import argparse
+import json
+from collections import defaultdict
+
+PROVIDERS = ("latentspeed", "FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA")
+COLORS = dict(zip(PROVIDERS, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
+
+
+def table(rows) -> str:
+    shapes = defaultdict(dict)
+    for r in rows:
+        shapes[(r["cache"], r["heads"], r["q_len"], r["ctx"])][r["provider"]] = r
+    lines = [
+        "| cache | H | S_q | ctx | " + " | ".join(f"{p} µs" for p in PROVIDERS)
+        + " | ours TB/s | ours TFLOP/s | ours / FLASHMLA | ours / TRITON_MLA |",
+        "|" + "---|" * (4 + len(PROVIDERS) + 4),
+    ]
+    for (cache, heads, q_len, ctx), by in shapes.items():
+        ours = by["latentspeed"]
+        times = " | ".join(f"{by[p]['us']:.0f}" if p in by else "—" for p in PROVIDERS)
+
+        def speed(p):
+            return f"{by[p]['us'] / ours['us']:.2f}×" if p in by else "—"
+
+        lines.append(
+            f"| {cache} | {heads} | {q_len} | {ctx} | {times} | {ours['tb_s']:.2f} | {ours['tflop_s']:.0f} "
+            f"| {speed('FLASHMLA')} | {speed('TRITON_MLA')} |"
+        )
+    return "\n".join(lines) + "\n\nRatios are speed-ups (their time / ours): above 1× ours is faster.\n"
+
+
+def plot(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["cache"], r["heads"], r["q_len"]) for r in rows})
+    fig, axes = plt.subplots(3, 4, figsize=(18, 11), sharex=True)
+    for ax, (cache, heads, q_len) in zip(axes.flat, panels):
+        for provider in PROVIDERS:
+            pts = sorted((r["ctx"], r["us"]) for r in rows if (r["cache"], r["heads"], r["q_len"], r["provider"]) == (cache, heads, q_len, provider))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=provider, color=COLORS[provider])
+        ax.set_title(f"{cache} cache, H={heads}, S_q={q_len}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("µs (batch 128)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes.flat[0].legend()
+    fig.suptitle("MLA decode kernel time on one H200 (lower is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("json")
+    parser.add_argument("--md", required=True)
+    parser.add_argument("--png", required=True)
+    args = parser.parse_args()
+    data = json.load(open(args.json))
+    with open(args.md, "w") as f:
+        f.write(table(data["rows"]))
+    plot(data["rows"], args.png)
+
+
+if __name__ == "__main__":
+    main()
