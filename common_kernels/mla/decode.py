@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ..fp8_format import FP8_DTYPES
 from .cache import HALF_DTYPES
+from .softmax import finish_softmax, online_softmax_step
 
 _LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -136,19 +137,11 @@ def _mla_decode_split_kernel(
         scores = tl.dot(q_pe, tl.trans(k_pe), scores)  # [BLOCK_R, BLOCK_N]
         seen = mask_n[None, :] & (offs_n[None, :] < visible[:, None])
         scores = tl.where(seen, scores * score_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        # Rows that have seen nothing yet keep m = -inf; shift by 0 to avoid inf - inf.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(scores - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         acc = tl.dot(p.to(kv_c.dtype), kv_c, acc * alpha[:, None])
-        m_i = m_new
 
-    has_keys = l_i > 0.0
-    out = acc * (kv_scale / tl.where(has_keys, l_i, 1.0))[:, None]
-    # ln 2 converts the base-2 running sums back to natural log.
-    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    inv_l, lse = finish_softmax(m_i, l_i)
+    out = acc * (kv_scale * inv_l)[:, None]
     out_rows = out_ptr + tok[:, None] * stride_out_t + head[:, None] * stride_out_h + offs_c[None, :]
     if DIRECT_OUT:
         tl.store(out_rows, out.to(out_ptr.dtype.element_ty), mask=mask_r[:, None])

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .cache import HALF_DTYPES
+from .softmax import finish_softmax, online_softmax_step
 
 _LOG2E = 1.4426950408889634
 
@@ -103,26 +104,19 @@ def _varlen_attention_kernel(
         if CAUSAL:
             seen = seen & (offs_n[None, :] <= offs_m[:, None] + shift)
         scores = tl.where(seen, scores * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(scores - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         v = tl.load(
             v_ptr + (k_start + offs_n)[:, None] * stride_v_t + head * stride_v_h + offs_v[None, :],
             mask=mask_n[:, None],
             other=0.0,
         )  # [BLOCK_N, D_V]
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
 
-    has_keys = l_i > 0.0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    inv_l, lse = finish_softmax(m_i, l_i)
+    out = acc * inv_l[:, None]
     o_rows = out_ptr + (q_start + offs_m)[:, None] * stride_o_t + head * stride_o_h
     tl.store(o_rows + offs_v[None, :], out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None])
     if STORE_LSE:
-        # ln 2 converts the base-2 running sums back to natural log.
-        lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(lse_ptr + head * stride_lse_h + (q_start + offs_m) * stride_lse_t, lse, mask=mask_m)
 
 
