@@ -57,6 +57,7 @@ def _mla_decode_split_kernel(
     block_table_ptr,
     seq_lens_ptr,
     kv_scale_ptr,
+    tree_mask_ptr,
     out_ptr,
     lse_ptr,
     qk_scale_log2,
@@ -82,6 +83,7 @@ def _mla_decode_split_kernel(
     BLOCK_N: tl.constexpr,
     IS_FP8: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
+    TREE_MASK: tl.constexpr,
 ):
     pid_g = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -96,8 +98,14 @@ def _mla_decode_split_kernel(
     tok = pid_b * Q_LEN + tok_j
 
     seq_len = tl.load(seq_lens_ptr + pid_b)
-    # Causal among the query tokens: token j sees cache positions < visible[j].
-    visible = seq_len - Q_LEN + 1 + tok_j  # [BLOCK_R]
+    # The request's query tokens are its last Q_LEN cache positions, from draft_start on.
+    # Causal: token j sees positions < draft_start + j + 1. Tree: the whole prefix, and draft
+    # token k when bit k of the request's mask word for token j is set.
+    draft_start = seq_len - Q_LEN
+    if TREE_MASK:
+        mask_bits = tl.load(tree_mask_ptr + pid_b * Q_LEN + tok_j, mask=mask_r, other=0)  # [BLOCK_R] int64
+    else:
+        visible = draft_start + 1 + tok_j  # [BLOCK_R]
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = pid_s * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -135,7 +143,12 @@ def _mla_decode_split_kernel(
             k_pe = k_pe.to(q_nope.dtype)
         scores = tl.dot(q_nope, tl.trans(kv_c))
         scores = tl.dot(q_pe, tl.trans(k_pe), scores)  # [BLOCK_R, BLOCK_N]
-        seen = mask_n[None, :] & (offs_n[None, :] < visible[:, None])
+        if TREE_MASK:
+            draft_k = offs_n - draft_start  # [BLOCK_N]
+            in_tree = ((mask_bits[:, None] >> tl.maximum(draft_k, 0)[None, :].to(tl.int64)) & 1) != 0
+            seen = mask_n[None, :] & ((draft_k < 0)[None, :] | in_tree)
+        else:
+            seen = mask_n[None, :] & (offs_n[None, :] < visible[:, None])
         scores = tl.where(seen, scores * score_scale, float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
         acc = tl.dot(p.to(kv_c.dtype), kv_c, acc * alpha[:, None])
@@ -248,7 +261,10 @@ def max_workspace_tokens_times_splits(max_batch: int, num_sms: int) -> int:
     return max_batch + PROGRAMS_PER_SM * num_sms
 
 
-def _validate(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, plan):
+MAX_TREE_TOKENS = 64  # one int64 mask word per query token
+
+
+def _validate(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, plan, tree_mask):
     if q_nope.dim() != 3 or q_pe.dim() != 3 or q_nope.shape[:2] != q_pe.shape[:2]:
         raise ValueError(f"q_nope {tuple(q_nope.shape)} and q_pe {tuple(q_pe.shape)} must be [T, H, D]")
     num_tokens, num_heads, d_latent = q_nope.shape
@@ -278,6 +294,14 @@ def _validate(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, plan):
         raise ValueError(f"block_table and seq_lens must be int32, got {block_table.dtype}/{seq_lens.dtype}")
     if q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1 or kv_cache.stride(-1) != 1 or block_table.stride(-1) != 1:
         raise ValueError("q_nope, q_pe, kv_cache and block_table need a contiguous last dimension")
+    if tree_mask is not None:
+        if plan.q_len > MAX_TREE_TOKENS:
+            raise ValueError(f"a tree of {plan.q_len} draft tokens is not supported: at most {MAX_TREE_TOKENS} are")
+        if tree_mask.shape != (batch, plan.q_len) or tree_mask.dtype != torch.int64 or not tree_mask.is_contiguous():
+            raise ValueError(
+                f"tree_mask must be a contiguous int64 [B, S_q] = [{batch}, {plan.q_len}] tensor, "
+                f"got {tree_mask.dtype} {tuple(tree_mask.shape)}"
+            )
 
 
 def mla_decode(
@@ -292,6 +316,7 @@ def mla_decode(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight-absorbed MLA decode over a paged latent cache (module docstring: the formula).
 
@@ -313,6 +338,11 @@ def mla_decode(
         lse: optional ``[T, H]`` fp32 log-sum-exp (natural log) buffer.
         workspace: optional fp32 ``(partial_out, partial_lse)`` of ``plan.workspace_shapes``,
             used when ``plan.num_splits > 1``.
+        tree_mask: optional ``[B, S_q]`` int64 for tree verification (``S_q <= 64`` draft
+            tokens, the last ``S_q`` cache positions of each request): bit ``k`` of
+            ``tree_mask[b, j]`` set lets draft token ``j`` see draft token ``k``; every token
+            sees the whole prefix. Replaces the causal mask (which is the chain
+            ``tree_mask[b, j] = 2**(j + 1) - 1``).
 
     Returns:
         ``(out, lse)``: ``out [T, H, D_latent]`` in the query dtype, ``lse [T, H]`` fp32.
@@ -322,7 +352,7 @@ def mla_decode(
         plan = plan_decode(batch=B, num_heads=128, q_len=1, max_seq_len=4096, num_sms=132)
         out, lse = mla_decode(q_nope, q_pe, cache, block_table, seq_lens, 192**-0.5, plan)
     """
-    _validate(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, plan)
+    _validate(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, plan, tree_mask)
     num_tokens, num_heads, d_latent = q_nope.shape
     if out is None:
         out = q_nope.new_empty(num_tokens, num_heads, d_latent)
@@ -354,6 +384,7 @@ def mla_decode(
         block_table,
         seq_lens,
         scale,
+        tree_mask if tree_mask is not None else seq_lens,  # never read without a tree
         part_out,
         part_lse,
         softmax_scale * _LOG2E,
@@ -376,6 +407,7 @@ def mla_decode(
         BLOCK_R=plan.block_rows,
         IS_FP8=is_fp8,
         DIRECT_OUT=direct,
+        TREE_MASK=tree_mask is not None,
         BLOCK_N=block_n,
         num_warps=num_warps,
         num_stages=num_stages,

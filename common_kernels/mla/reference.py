@@ -58,12 +58,15 @@ def mla_decode_ref(
     seq_lens: torch.Tensor,
     softmax_scale: float,
     kv_scale: float | torch.Tensor = 1.0,
+    tree_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight-absorbed MQA over the paged latent cache.
 
     Shapes as in ``common_kernels.mla.mla_decode``: ``q_nope [T, H, D_latent]``,
     ``q_pe [T, H, D_rope]``, ``T = B * S_q``; token ``j`` of request ``b`` sees cache
-    positions ``< seq_lens[b] - S_q + j + 1``. Returns ``out [T, H, D_latent]`` (fp32) and
+    positions ``< seq_lens[b] - S_q + j + 1``, or with ``tree_mask [B, S_q]`` (int64 bit
+    words) the prefix ``< seq_lens[b] - S_q`` and the draft positions ``seq_lens[b] - S_q + k``
+    whose bit ``k`` is set in ``tree_mask[b, j]``. Returns ``out [T, H, D_latent]`` (fp32) and
     ``lse [T, H]`` (fp32, natural log; ``-inf`` and a zero output where nothing is visible).
     """
     num_tokens, num_heads, d_latent = q_nope.shape
@@ -76,10 +79,17 @@ def mla_decode_ref(
         kv = gather_request_cache(kv_cache, block_table[b], seq_len, kv_scale)
         for j in range(q_len):
             t = b * q_len + j
-            visible = max(0, seq_len - q_len + j + 1)
-            if visible == 0:
+            pos = torch.arange(seq_len, device=kv.device)
+            if tree_mask is None:
+                seen = pos < seq_len - q_len + j + 1
+            else:
+                draft = pos - (seq_len - q_len)
+                bits = int(tree_mask[b, j])
+                in_tree = [d >= 0 and (bits >> d) & 1 == 1 for d in draft.tolist()]
+                seen = (draft < 0) | torch.tensor(in_tree, dtype=torch.bool, device=kv.device)
+            if not seen.any():
                 continue
-            k = kv[:visible]
+            k = kv[seen]
             scores = (q_nope[t].float() @ k[:, :d_latent].T + q_pe[t].float() @ k[:, d_latent:].T)
             scores = scores * softmax_scale
             lse[t] = torch.logsumexp(scores, dim=-1)

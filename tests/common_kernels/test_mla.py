@@ -105,6 +105,56 @@ def test_decode_deepseek_v3_dims(cache_name):
     assert_close(lse, ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1], name="decode lse")
 
 
+def random_tree_masks(batch: int, num_draft: int, generator: torch.Generator) -> torch.Tensor:
+    """``[B, S_q]`` int64 ancestor masks of random draft trees: token j's parent is a random
+    earlier token or the prefix; each token sees itself and its ancestors."""
+    masks = torch.zeros(batch, num_draft, dtype=torch.int64)
+    for b in range(batch):
+        for j in range(num_draft):
+            parent = int(torch.randint(-1, j, (1,), generator=generator)) if j else -1
+            masks[b, j] = (1 << j) | (int(masks[b, parent]) if parent >= 0 else 0)
+    return masks
+
+
+@pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())
+@pytest.mark.parametrize("num_draft", [5, 16], ids=lambda n: f"draft{n}")
+@pytest.mark.parametrize("num_splits", [1, 3], ids=lambda s: f"splits{s}")
+def test_decode_tree_mask_matches_reference(cache_name, num_draft, num_splits):
+    """Tree verification: draft tokens see the prefix and their ancestors only."""
+    d_latent, d_rope, num_heads, block_size = 64, 16, 8, 16
+    dev, cache_dtype = device(), CACHE_DTYPES[cache_name]
+    seq_lens_list = (num_draft + 40, num_draft, num_draft + 17)
+    kv_scale = torch.tensor([0.5], device=dev) if cache_name in FP8_CACHE else None
+    cache, block_table = make_paged_cache(seq_lens_list, block_size, d_latent + d_rope, cache_dtype, 0.5 if kv_scale is not None else 1.0)
+    batch, num_tokens = len(seq_lens_list), len(seq_lens_list) * num_draft
+    q_nope = torch.randn(num_tokens, num_heads, d_latent, device=dev, dtype=torch.bfloat16)
+    q_pe = torch.randn(num_tokens, num_heads, d_rope, device=dev, dtype=torch.bfloat16)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=dev)
+    tree = random_tree_masks(batch, num_draft, torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,)))))
+    plan = plan_decode(batch, num_heads, num_draft, max(seq_lens_list), num_sms=4, num_splits=num_splits)
+    out = torch.full((num_tokens, num_heads, d_latent), float("nan"), dtype=torch.bfloat16, device=dev)
+
+    _, lse = mla_decode(q_nope, q_pe, cache, block_table, seq_lens, 0.125, plan, kv_scale, out=out, tree_mask=tree.to(dev))
+
+    ref_out, ref_lse = mla_decode_ref(q_nope, q_pe, cache, block_table, seq_lens, 0.125, kv_scale or 1.0, tree_mask=tree)
+    atol, rtol = DECODE_TOL[cache_name]
+    assert_close(out, ref_out, atol=atol, rtol=rtol, name="tree decode out")
+    assert_close(lse, ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1], name="tree decode lse")
+
+
+def test_decode_chain_tree_equals_causal():
+    dev = device()
+    cache, table = make_paged_cache((30, 9), 16, 80, torch.bfloat16, 1.0)
+    q_nope = torch.randn(8, 4, 64, device=dev, dtype=torch.bfloat16)
+    q_pe = torch.randn(8, 4, 16, device=dev, dtype=torch.bfloat16)
+    lens = torch.tensor([30, 9], dtype=torch.int32, device=dev)
+    plan = plan_decode(2, 4, 4, 30, num_sms=1, num_splits=2)
+    chain = torch.tensor([[(1 << (j + 1)) - 1 for j in range(4)]] * 2, dtype=torch.int64, device=dev)
+    causal, _ = mla_decode(q_nope, q_pe, cache, table, lens, 0.1, plan)
+    tree, _ = mla_decode(q_nope, q_pe, cache, table, lens, 0.1, plan, tree_mask=chain)
+    assert torch.equal(causal, tree)
+
+
 def test_decode_rejects_bad_input():
     dev = device()
     q_nope = torch.randn(2, 16, 96, device=dev, dtype=torch.bfloat16)
@@ -124,6 +174,8 @@ def test_decode_rejects_bad_input():
         mla_decode(q_nope, q_pe, torch.zeros(4, 24, 80, device=dev, dtype=torch.bfloat16), table, lens, 1.0, plan)
     with pytest.raises(ValueError, match="int32"):
         mla_decode(q_nope, q_pe, cache[..., :80].contiguous(), table.long(), lens, 1.0, plan)
+    with pytest.raises(ValueError, match=r"tree_mask must be a contiguous int64 \[B, S_q\] = \[2, 1\]"):
+        mla_decode(q_nope, q_pe, cache[..., :80].contiguous(), table, lens, 1.0, plan, tree_mask=lens)
 
 
 def test_plan_bounds_workspace():
