@@ -7,7 +7,9 @@ For query row ``(t, h)`` of request ``b`` (token ``j`` of its ``S_q`` query toke
     lse   = log sum_n exp(s_n)
 
 where ``[c_n | r_n]`` is cache row ``n`` of the request (``D_latent`` latent values, then
-``D_rope`` rotated key values; fp8 rows are multiplied by the per-tensor ``kv_scale``).
+``D_rope`` rotated key values; fp8 rows are multiplied by the per-tensor ``kv_scale``). For
+tree verification a per-token ancestor mask replaces the causal bound on the last ``S_q``
+positions (the draft tokens); the prefix stays fully visible.
 
 Work split (split-KV, "flash decoding"): program ``(g, s, b)`` takes up to ``BLOCK_R`` query
 rows of request ``b`` -- all heads and all query tokens when they fit, so a cache tile is read
