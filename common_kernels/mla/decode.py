@@ -60,9 +60,11 @@ def _mla_decode_split_kernel(
     seq_lens_ptr,
     kv_scale_ptr,
     tree_mask_ptr,
+    q_start_ptr,
     out_ptr,
     lse_ptr,
     qk_scale_log2,
+    uniform_q_len,
     stride_qn_t,
     stride_qn_h,
     stride_qp_t,
@@ -76,8 +78,6 @@ def _mla_decode_split_kernel(
     stride_lse_t,
     stride_lse_h,
     NUM_HEADS: tl.constexpr,
-    Q_LEN: tl.constexpr,
-    NUM_ROWS: tl.constexpr,
     D_LATENT: tl.constexpr,
     D_ROPE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -86,26 +86,33 @@ def _mla_decode_split_kernel(
     IS_FP8: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
     TREE_MASK: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     pid_g = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)
     num_splits = tl.num_programs(1)
 
+    if VARLEN:
+        q_start = tl.load(q_start_ptr + pid_b).to(tl.int64)
+        q_len = tl.load(q_start_ptr + pid_b + 1).to(tl.int64) - q_start
+    else:
+        q_start = pid_b * uniform_q_len
+        q_len = uniform_q_len
     # Query row r of the request is token r // H, head r % H.
     offs_r = pid_g * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask_r = offs_r < NUM_ROWS
+    mask_r = offs_r < q_len * NUM_HEADS
     tok_j = offs_r // NUM_HEADS
     head = offs_r % NUM_HEADS
-    tok = pid_b * Q_LEN + tok_j
+    tok = q_start + tok_j
 
     seq_len = tl.load(seq_lens_ptr + pid_b)
-    # The request's query tokens are its last Q_LEN cache positions, from draft_start on.
+    # The request's query tokens are its last q_len cache positions, from draft_start on.
     # Causal: token j sees positions < draft_start + j + 1. Tree: the whole prefix, and draft
     # token k when bit k of the request's mask word for token j is set.
-    draft_start = seq_len - Q_LEN
+    draft_start = seq_len - q_len
     if TREE_MASK:
-        mask_bits = tl.load(tree_mask_ptr + pid_b * Q_LEN + tok_j, mask=mask_r, other=0)  # [BLOCK_R] int64
+        mask_bits = tl.load(tree_mask_ptr + tok, mask=mask_r, other=0)  # [BLOCK_R] int64
     else:
         visible = draft_start + 1 + tok_j  # [BLOCK_R]
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -266,7 +273,7 @@ def max_workspace_tokens_times_splits(max_batch: int, num_sms: int) -> int:
 MAX_TREE_TOKENS = 64  # one int64 mask word per query token
 
 
-def _validate(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, plan, tree_mask):
+def _validate(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, plan, tree_mask, query_start_loc):
     if q_nope.dim() != 3 or q_pe.dim() != 3 or q_nope.shape[:2] != q_pe.shape[:2]:
         raise ValueError(f"q_nope {tuple(q_nope.shape)} and q_pe {tuple(q_pe.shape)} must be [T, H, D]")
     num_tokens, num_heads, d_latent = q_nope.shape
@@ -286,10 +293,16 @@ def _validate(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, plan, tre
     if kv_cache.dtype in FP8_DTYPES and kv_scale is None:
         raise ValueError("an fp8 kv_cache needs kv_scale")
     batch = seq_lens.shape[0]
-    if batch * plan.q_len != num_tokens or plan.batch != batch or plan.num_heads != num_heads:
-        raise ValueError(
-            f"plan {plan} does not match T={num_tokens}, H={num_heads}, batch={batch}: T must be batch * q_len"
-        )
+    if plan.batch != batch or plan.num_heads != num_heads:
+        raise ValueError(f"plan {plan} does not match H={num_heads}, batch={batch}")
+    if query_start_loc is None and batch * plan.q_len != num_tokens:
+        raise ValueError(f"T={num_tokens} must be batch * q_len = {batch} * {plan.q_len} without query_start_loc")
+    if query_start_loc is not None:
+        if query_start_loc.shape != (batch + 1,) or query_start_loc.dtype != torch.int32:
+            raise ValueError(f"query_start_loc must be int32 [B + 1] = [{batch + 1}], got {query_start_loc.dtype} "
+                             f"{tuple(query_start_loc.shape)}")
+        if tree_mask is not None:
+            raise ValueError("tree_mask needs uniform query lengths (no query_start_loc)")
     if block_table.dim() != 2 or block_table.shape[0] < batch:
         raise ValueError(f"block_table must be [B, max_blocks] with B >= {batch}, got {tuple(block_table.shape)}")
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
@@ -319,6 +332,7 @@ def mla_decode(
     lse: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     tree_mask: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight-absorbed MLA decode over a paged latent cache (module docstring: the formula).
 
@@ -345,6 +359,9 @@ def mla_decode(
             ``tree_mask[b, j]`` set lets draft token ``j`` see draft token ``k``; every token
             sees the whole prefix. Replaces the causal mask (which is the chain
             ``tree_mask[b, j] = 2**(j + 1) - 1``).
+        query_start_loc: optional ``[B + 1]`` int32 prefix sums of per-request query counts,
+            for ragged query lengths (chunked prefill over a cached prefix in absorbed form);
+            ``plan.q_len`` is then the largest count. Causal within each request.
 
     Returns:
         ``(out, lse)``: ``out [T, H, D_latent]`` in the query dtype, ``lse [T, H]`` fp32.
@@ -354,7 +371,7 @@ def mla_decode(
         plan = plan_decode(batch=B, num_heads=128, q_len=1, max_seq_len=4096, num_sms=132)
         out, lse = mla_decode(q_nope, q_pe, cache, block_table, seq_lens, 192**-0.5, plan)
     """
-    _validate(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, plan, tree_mask)
+    _validate(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, plan, tree_mask, query_start_loc)
     num_tokens, num_heads, d_latent = q_nope.shape
     if out is None:
         out = q_nope.new_empty(num_tokens, num_heads, d_latent)
@@ -387,9 +404,11 @@ def mla_decode(
         seq_lens,
         scale,
         tree_mask if tree_mask is not None else seq_lens,  # never read without a tree
+        query_start_loc if query_start_loc is not None else seq_lens,  # never read when uniform
         part_out,
         part_lse,
         softmax_scale * _LOG2E,
+        plan.q_len,
         q_nope.stride(0),
         q_nope.stride(1),
         q_pe.stride(0),
@@ -401,8 +420,6 @@ def mla_decode(
         part_lse.stride(0),
         part_lse.stride(1),
         NUM_HEADS=num_heads,
-        Q_LEN=plan.q_len,
-        NUM_ROWS=num_heads * plan.q_len,
         D_LATENT=d_latent,
         D_ROPE=q_pe.shape[-1],
         PAGE_SIZE=kv_cache.shape[1],
@@ -410,6 +427,7 @@ def mla_decode(
         IS_FP8=is_fp8,
         DIRECT_OUT=direct,
         TREE_MASK=tree_mask is not None,
+        VARLEN=query_start_loc is not None,
         BLOCK_N=block_n,
         num_warps=num_warps,
         num_stages=num_stages,

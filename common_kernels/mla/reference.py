@@ -59,6 +59,7 @@ def mla_decode_ref(
     softmax_scale: float,
     kv_scale: float | torch.Tensor = 1.0,
     tree_mask: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight-absorbed MQA over the paged latent cache.
 
@@ -66,19 +67,23 @@ def mla_decode_ref(
     ``q_pe [T, H, D_rope]``, ``T = B * S_q``; token ``j`` of request ``b`` sees cache
     positions ``< seq_lens[b] - S_q + j + 1``, or with ``tree_mask [B, S_q]`` (int64 bit
     words) the prefix ``< seq_lens[b] - S_q`` and the draft positions ``seq_lens[b] - S_q + k``
-    whose bit ``k`` is set in ``tree_mask[b, j]``. Returns ``out [T, H, D_latent]`` (fp32) and
+    whose bit ``k`` is set in ``tree_mask[b, j]``. With ``query_start_loc [B + 1]`` request
+    ``b`` has ``query_start_loc[b + 1] - query_start_loc[b]`` query tokens instead. Returns ``out [T, H, D_latent]`` (fp32) and
     ``lse [T, H]`` (fp32, natural log; ``-inf`` and a zero output where nothing is visible).
     """
     num_tokens, num_heads, d_latent = q_nope.shape
     batch = seq_lens.shape[0]
-    q_len = num_tokens // batch
+    if query_start_loc is None:
+        query_start_loc = torch.arange(batch + 1) * (num_tokens // max(batch, 1))
     out = torch.zeros(num_tokens, num_heads, d_latent, dtype=torch.float32, device=q_nope.device)
     lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=q_nope.device)
     for b in range(batch):
         seq_len = int(seq_lens[b])
         kv = gather_request_cache(kv_cache, block_table[b], seq_len, kv_scale)
+        q_start = int(query_start_loc[b])
+        q_len = int(query_start_loc[b + 1]) - q_start
         for j in range(q_len):
-            t = b * q_len + j
+            t = q_start + j
             pos = torch.arange(seq_len, device=kv.device)
             if tree_mask is None:
                 seen = pos < seq_len - q_len + j + 1

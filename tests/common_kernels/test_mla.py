@@ -142,6 +142,32 @@ def test_decode_tree_mask_matches_reference(cache_name, num_draft, num_splits):
     assert_close(lse, ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1], name="tree decode lse")
 
 
+@pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())
+@pytest.mark.parametrize("num_splits", [1, 2], ids=lambda s: f"splits{s}")
+def test_decode_ragged_queries_match_reference(cache_name, num_splits):
+    """Absorbed attention for chunks of new tokens over a cached prefix: ragged query counts
+    (none, all-new, long prefix), causal within each request."""
+    d_latent, d_rope, num_heads, block_size = 64, 16, 4, 16
+    dev, cache_dtype = device(), CACHE_DTYPES[cache_name]
+    q_lens, seq_lens_list = (3, 0, 21, 1, 9), (40, 7, 21, 1, 70)
+    kv_scale = torch.tensor([0.5], device=dev) if cache_name in FP8_CACHE else None
+    cache, block_table = make_paged_cache(seq_lens_list, block_size, d_latent + d_rope, cache_dtype, 0.5 if kv_scale is not None else 1.0)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    num_tokens = sum(q_lens)
+    q_nope = torch.randn(num_tokens, num_heads, d_latent, device=dev, dtype=torch.bfloat16)
+    q_pe = torch.randn(num_tokens, num_heads, d_rope, device=dev, dtype=torch.bfloat16)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=dev)
+    plan = plan_decode(len(q_lens), num_heads, max(q_lens), max(seq_lens_list), num_sms=4, num_splits=num_splits)
+    out = torch.full((num_tokens, num_heads, d_latent), float("nan"), dtype=torch.bfloat16, device=dev)
+
+    _, lse = mla_decode(q_nope, q_pe, cache, block_table, seq_lens, 0.125, plan, kv_scale, out=out, query_start_loc=starts)
+
+    ref_out, ref_lse = mla_decode_ref(q_nope, q_pe, cache, block_table, seq_lens, 0.125, kv_scale or 1.0, query_start_loc=starts)
+    atol, rtol = DECODE_TOL[cache_name]
+    assert_close(out, ref_out, atol=atol, rtol=rtol, name="ragged decode out")
+    assert_close(lse, ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1], name="ragged decode lse")
+
+
 def test_decode_chain_tree_equals_causal():
     dev = device()
     cache, table = make_paged_cache((30, 9), 16, 80, torch.bfloat16, 1.0)
