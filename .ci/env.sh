@@ -1,22 +1,28 @@
-# Sourced by .ci/main and .ci/test: a virtualenv with the pinned engine, outside the clone,
-# reused across clones while the pins stay the same; the project itself is reinstalled each time.
+# Sourced by .ci/main and .ci/test as `source .ci/env.sh ENGINE` (vllm or sglang): a virtualenv
+# with that engine's pins, outside the clone, reused across clones while the pins stay the same;
+# the project itself is reinstalled into it each time.
 set -euo pipefail
-VLLM_PIN=0.26.0
-TORCH_PIN=2.11.0
+engine=${1:-vllm}
+case $engine in
+  vllm) pins=("vllm==0.26.0" "torch==2.11.0") ;;
+  sglang) pins=("sglang==0.5.17" "torch==2.11.0") ;;
+  *) echo "unknown engine $engine" >&2; exit 2 ;;
+esac
+key=$(printf '%s-' "${pins[@]}" | tr -d '=' | sed 's/-$//')
 root=${LATENTSPEED_VENV_ROOT:-$HOME/.cache/latentspeed}
-VENV=$root/venv-vllm-$VLLM_PIN-torch-$TORCH_PIN
+VENV=$root/venv-$key
 python=
 for candidate in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 python3; do
   if "$candidate" -c 'import sys; assert sys.version_info >= (3, 10)' >/dev/null 2>&1; then python=$candidate; break; fi
 done
 [ -n "$python" ] || { echo "no Python >= 3.10 found" >&2; exit 1; }
 if [ ! -f "$VENV/.ready" ]; then
-  echo "== creating $VENV with $($python --version) (vllm==$VLLM_PIN, torch==$TORCH_PIN; several GB, once)"
+  echo "== creating $VENV with $($python --version) (${pins[*]}; several GB, once)"
   rm -rf "$VENV"
   "$python" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "vllm==$VLLM_PIN" "torch==$TORCH_PIN" \
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${pins[@]}" \
     "setuptools>=77" "pytest>=8" "pytest-timeout>=2.3" 2>&1 | grep -v "^WARNING: Location" || true
-  "$VENV/bin/python" -c "import vllm, torch; assert vllm.__version__ == '$VLLM_PIN' and torch.__version__.startswith('$TORCH_PIN')"
+  "$VENV/bin/python" -c "import $engine, torch; assert torch.__version__.startswith('2.11.0')"
   touch "$VENV/.ready"
 fi
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation --force-reinstall . \

@@ -75,6 +75,32 @@ def _vllm_components(gpu: dict) -> list[dict]:
     return rows
 
 
+def _sglang_components(gpu: dict) -> list[dict]:
+    """Whether ``--attention-backend latentspeed`` registers in SGLang and covers DeepSeek-V3 here."""
+    import torch
+
+    from common_kernels.mla import is_supported
+
+    name = "sglang attention backend"
+    if _version("sglang") is None:
+        return [{"component": name, "usable": False, "why": "SGLang is not installed (pip install sglang==0.5.17)"}]
+    try:
+        import sglang_plugin
+
+        sglang_plugin.register()
+        from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    except Exception as err:  # report, never crash: this command diagnoses broken installs
+        return [{"component": name, "usable": False, "why": f"{type(err).__name__}: {err}"}]
+    if ATTENTION_BACKENDS.get(sglang_plugin.BACKEND_NAME) is not sglang_plugin.create_backend:
+        return [{"component": name, "usable": False, "why": "another plugin took the name latentspeed"}]
+    capability = tuple(int(x) for x in gpu["capability"].split(".")) if gpu["available"] else None
+    ok, why = is_supported(num_heads=128, dtype=torch.bfloat16, cache_dtype=torch.bfloat16, capability=capability,
+                           block_size=64, **DEEPSEEK_V3_MLA)
+    if ok and capability is None:
+        ok, why = False, "registered; no GPU here to run it"
+    return [{"component": name, "usable": ok, "why": why or "DeepSeek-V3 MLA shapes supported (--page-size 16/32/64)"}]
+
+
 def info(as_json: bool) -> int:
     import torch
 
@@ -83,10 +109,7 @@ def info(as_json: bool) -> int:
         "gpu": _gpu(),
         "fp8_guard": os.environ.get("LATENTSPEED_FP8_GUARD", "warn"),
     }
-    report["components"] = _vllm_components(report["gpu"])
-    report["components"].append(
-        {"component": "sglang adapter", "usable": False, "why": "not part of this release (SGLang support is planned)"}
-    )
+    report["components"] = _vllm_components(report["gpu"]) + _sglang_components(report["gpu"])
     if as_json:
         print(json.dumps(report, indent=2))
         return 0

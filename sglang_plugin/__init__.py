@@ -1,0 +1,36 @@
+"""latentspeed's SGLang adapter: thin glue over ``common_kernels``.
+
+``register()`` is the ``sglang.srt.plugins`` entry point; SGLang calls it in the launcher
+before parsing arguments and again in every scheduler process. It adds ``latentspeed`` to
+the ``--attention-backend`` choices (also ``--decode-attention-backend`` /
+``--prefill-attention-backend``) and registers the backend factory. The DeepSeek tables are
+filled when the factory first runs, in the scheduler, so the launcher never imports models.
+"""
+
+BACKEND_NAME = "latentspeed"
+_registered = False
+
+
+def register() -> None:
+    """Register latentspeed's attention backend with SGLang; idempotent."""
+    global _registered
+    if _registered:
+        return
+    from ._compat import check_sglang
+
+    check_sglang()
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND_NAME])
+    register_attention_backend(BACKEND_NAME)(create_backend)
+    _registered = True
+
+
+def create_backend(runner):
+    """SGLang's factory signature: ``fn(model_runner) -> AttentionBackend``."""
+    from .mla import LatentspeedMLABackend, register_deepseek_dispatch
+
+    register_deepseek_dispatch()
+    return LatentspeedMLABackend(runner)

@@ -1,0 +1,82 @@
+"""latentspeed's SGLang adapter against SGLang 0.5.17's own plugin loader, registries and KV pool."""
+
+import argparse
+import importlib.metadata
+import multiprocessing
+
+import pytest
+
+sglang = pytest.importorskip("sglang")
+
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
+from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, ServerArgs  # noqa: E402
+
+import sglang_plugin  # noqa: E402
+from sglang_plugin import _compat  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def registered():
+    sglang_plugin.register()
+
+
+def test_entry_point_is_discovered():
+    eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")}
+    assert eps.get("latentspeed") == "sglang_plugin:register"
+
+
+def test_register_twice_is_harmless():
+    sglang_plugin.register()
+    sglang_plugin.register()
+    assert ATTENTION_BACKEND_CHOICES.count("latentspeed") == 1
+    assert ATTENTION_BACKENDS["latentspeed"] is sglang_plugin.create_backend
+
+
+def _load_in_child(queue):
+    # What SGLang's scheduler process does first (scheduler.py: run_scheduler_process).
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+
+    load_plugins()
+    queue.put(("latentspeed" in ATTENTION_BACKENDS, "latentspeed" in ATTENTION_BACKEND_CHOICES))
+
+
+def test_plugin_loads_in_a_spawned_child_process():
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_load_in_child, args=(queue,))
+    child.start()
+    registered, choice = queue.get(timeout=300)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert registered and choice
+
+
+@pytest.mark.parametrize("flag", ["--attention-backend", "--decode-attention-backend", "--prefill-attention-backend"])
+def test_cli_accepts_the_backend_name(flag):
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "/models/tiny-dsv3", flag, "latentspeed"])
+    assert getattr(args, flag.lstrip("-").replace("-", "_")) == "latentspeed"
+
+
+def test_deepseek_tables_route_to_latentspeed():
+    from sglang.srt.models.deepseek_common.attention_backend_handler import (
+        AttentionBackendRegistry,
+        handle_attention_triton,
+    )
+    from sglang.srt.models.deepseek_common.utils import FORWARD_ABSORB_CORE_ATTENTION_BACKENDS
+
+    from sglang_plugin.mla import register_deepseek_dispatch
+
+    register_deepseek_dispatch()
+    register_deepseek_dispatch()
+    assert FORWARD_ABSORB_CORE_ATTENTION_BACKENDS.count("latentspeed") == 1
+    assert AttentionBackendRegistry.get_handler("latentspeed") is handle_attention_triton
+
+
+def test_unsupported_sglang_version_is_named(monkeypatch):
+    monkeypatch.setattr(_compat, "version", lambda name: "0.5.9")
+    with pytest.raises(_compat.UnsupportedSglangError, match="supports SGLang 0.5.17; found SGLang 0.5.9"):
+        _compat.check_sglang()
