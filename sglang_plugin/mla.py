@@ -65,7 +65,8 @@ class LatentspeedMLABackend(AttentionBackend):
         self.max_context_len = config.context_len
         self.cache_dtype = model_runner.kv_cache_dtype
         self.is_fp8 = self.cache_dtype in FP8_DTYPES
-        capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+        device_index = torch.cuda.current_device() if torch.cuda.is_available() else None
+        capability = torch.cuda.get_device_capability(device_index) if device_index is not None else None
         ok, reason = is_supported(
             num_heads=self.num_heads,
             kv_lora_rank=config.kv_lora_rank,
@@ -80,7 +81,7 @@ class LatentspeedMLABackend(AttentionBackend):
         if not ok:
             hint = f" (pass --page-size {SUPPORTED_BLOCK_SIZES[-1]})" if "block size" in reason else ""
             raise ValueError(f"latentspeed attention backend: {reason}{hint}")
-        self.num_sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 1
+        self.num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count if device_index is not None else 1
         # SGLang's own MLA writers (the model's prefill path) store fp8 unscaled: read with 1.
         self.unit_scale = torch.ones(1, dtype=torch.float32, device=self.device)
         self.forward_metadata: ForwardMetadata | None = None
