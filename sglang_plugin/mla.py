@@ -84,6 +84,9 @@ class LatentspeedMLABackend(AttentionBackend):
         self.num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count if device_index is not None else 1
         # SGLang's own MLA writers (the model's prefill path) store fp8 unscaled: read with 1.
         self.unit_scale = torch.ones(1, dtype=torch.float32, device=self.device)
+        # Created here, not lazily: counters first made inside a graph capture would be zeroed
+        # by every replay.
+        self.guard = fp8_guard(self.unit_scale.device) if self.is_fp8 else None
         self.forward_metadata: ForwardMetadata | None = None
         self.graph_page_table: torch.Tensor | None = None
         self.graph_seq_lens: torch.Tensor | None = None
@@ -134,8 +137,8 @@ class LatentspeedMLABackend(AttentionBackend):
         return ForwardMetadata(page_table, seq_lens, plan, query_start_loc=query_start_loc, max_extend_len=max_extend)
 
     def _step_guard(self) -> None:
-        if self.is_fp8:
-            fp8_guard(self.unit_scale.device).step()
+        if self.guard is not None:
+            self.guard.step()
 
     def init_forward_metadata(self, forward_batch):
         self._step_guard()
@@ -193,7 +196,7 @@ class LatentspeedMLABackend(AttentionBackend):
             self._cache(layer),
             forward_batch.out_cache_loc,
             kv_scale=self.unit_scale if self.is_fp8 else None,
-            stats=fp8_guard(self.unit_scale.device).counters if self.is_fp8 else None,
+            stats=self.guard.counters if self.guard is not None else None,
         )
 
     def _absorbed(self, q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope):
