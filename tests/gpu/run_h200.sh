@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench e2e-bf16 e2e-fp8
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench e2e-bf16 e2e-fp8 (vLLM bundle on
+#                                         PYTHONPATH), sglang-e2e-bf16 sglang-e2e-fp8 (SGLang bundle)
 # Logs and JSON land in $OUT (the device tool's output folder) or ./gpu-out.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -10,7 +11,8 @@ for step in "$@"; do
   case $step in
     smoke)
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$out/card.txt"
-      python3 -c "import vllm, torch, triton; print('vllm', vllm.__version__, 'torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/card.txt"
+      python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/card.txt"
+      python3 -c "import importlib.metadata as m; print({d.metadata['Name']: d.version for d in m.distributions() if d.metadata['Name'] in ('vllm', 'sglang', 'latentspeed')})" | tee -a "$out/card.txt"
       git rev-parse HEAD 2>/dev/null | tee -a "$out/card.txt" ;;
     kernels)
       python3 -m pytest -q -x tests/gpu -p no:warnings --durations=5 2>&1 | tail -n 30 | tee "$out/kernels.log" ;;
@@ -22,6 +24,10 @@ for step in "$@"; do
     e2e-fp8)
       python3 tests/gpu/vllm_e2e.py --group fp8 --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-fp8.json" 2>&1 \
         | tee "$out/e2e-fp8.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
+    sglang-e2e-bf16|sglang-e2e-fp8)
+      group=${step#sglang-e2e-}
+      python3 tests/gpu/sglang_e2e.py --group "$group" --throughput --reuse --workdir /tmp/e2e-sglang \
+        --out "$out/$step.json" 2>&1 | tee "$out/$step.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "step $step failed rc=$rc"; status=1; }

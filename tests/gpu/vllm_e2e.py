@@ -149,11 +149,12 @@ def worker(args):
     Path(task["workdir"], f"{task['engine']}{task.get('suffix', '')}.json").write_text(json.dumps(result))
 
 
-def run_engine(workdir: Path, model: str, engine: str, **task):
+def run_engine(script: str, workdir: Path, model: str, engine: str, **task):
+    """Run ``script worker`` for one engine in its own process; return what it wrote."""
     task_path = workdir / f"task-{engine}{task.get('suffix', '')}.json"
     task_path.write_text(json.dumps({"model": model, "engine": engine, "workdir": str(workdir), **task}))
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "worker", "--task", str(task_path)], cwd=REPO)
+    proc = subprocess.run([sys.executable, script, "worker", "--task", str(task_path)], cwd=REPO)
     print(f"[e2e] {engine} {task} finished rc={proc.returncode} in {time.perf_counter() - t0:.0f}s", flush=True)
     if proc.returncode:
         raise SystemExit(f"engine {engine} failed (rc={proc.returncode})")
@@ -165,7 +166,11 @@ def summarize(decode_lps, score_lps):
     return {"mean": float(diffs.mean()), "p99": float(np.quantile(diffs, 0.99)), "max": float(diffs.max()), "n": int(diffs.size)}
 
 
-def driver(args):
+def driver(args, engine_names=tuple(ENGINES), pair_groups=PAIRS, script=__file__, is_floor=lambda name: "TRITON_MLA" in name):
+    """Decode with every engine of ``args.group``, score each partner's decodes, compare.
+
+    ``is_floor`` names the built-in whose pairs measure the floor between two correct built-ins.
+    """
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     model = str(workdir / "tiny-dsv3")
@@ -174,8 +179,8 @@ def driver(args):
         from tiny_deepseek_v3 import make_tiny_deepseek_v3
 
         make_tiny_deepseek_v3(model)
-    pairs = PAIRS[args.group]
-    engines = sorted({e for pair in pairs for e in pair}, key=list(ENGINES).index)
+    pairs = pair_groups[args.group]
+    engines = sorted({e for pair in pairs for e in pair}, key=list(engine_names).index)
     runs = {}
     for engine in engines:  # everyone decodes; each scores what its partner decoded, if ready
         previous = workdir / f"{engine}.json"
@@ -184,13 +189,13 @@ def driver(args):
             continue
         partners = [a if b == engine else b for a, b in pairs if engine in (a, b)]
         ready = [p for p in partners if p in runs]
-        runs[engine] = run_engine(workdir, model, engine, generate=True, score=ready,
-                                  throughput=args.throughput and engine != "TRITON_MLA-bf16")
+        runs[engine] = run_engine(script, workdir, model, engine, generate=True, score=ready,
+                                  throughput=args.throughput and not is_floor(engine))
     for engine in engines:  # scores that were not ready on the first pass
         partners = [a if b == engine else b for a, b in pairs if engine in (a, b)]
         missing = [p for p in partners if p not in runs[engine]["scores"]]
         if missing:
-            runs[engine]["scores"].update(run_engine(workdir, model, engine, score=missing, suffix="-score")["scores"])
+            runs[engine]["scores"].update(run_engine(script, workdir, model, engine, score=missing, suffix="-score")["scores"])
     report = {"group": args.group, "pairs": [], "engines": {}}
     failed = []
     floor = None
@@ -202,7 +207,7 @@ def driver(args):
             report["pairs"].append(entry)
             print(f"[e2e] decode {a:>22} / prefill {b:>22}: mean {stats['mean']:.4f} p99 {stats['p99']:.3f} "
                   f"max {stats['max']:.3f} over {stats['n']} tokens", flush=True)
-            if "TRITON_MLA" in a or "TRITON_MLA" in b:
+            if is_floor(a) or is_floor(b):
                 floor = stats if floor is None else {k: max(floor[k], stats[k]) for k in ("mean", "p99", "max")}
             elif "e5m2" not in a + b:
                 bound = floor or STATED_FLOOR

@@ -1,0 +1,146 @@
+"""latentspeed inside stock SGLang on a GPU: log-prob agreement with SGLang's MLA backends, and throughput.
+
+The SGLang twin of ``vllm_e2e.py`` (same tiny DeepSeek-V3, prompts, driver and bounds): each
+backend decodes greedy continuations, another scores the same sequences as prompts (input
+log-probs, ``max_new_tokens=0``), both ways; flashinfer against triton is the floor between two
+correct built-ins. latentspeed runs with pages of 64 tokens and, in its own process, decodes
+the prompts a second time so that the radix-cached prefix goes through its extend path.
+
+    python tests/gpu/sglang_e2e.py --group bf16 --throughput --workdir /tmp/e2e-sglang --out e2e.json
+"""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from vllm_e2e import GEN_TOKENS, driver, prompts
+
+ENGINES = {
+    # name: (attention backend, kv-cache dtype, page size; None keeps SGLang's default)
+    "flashinfer-bf16": ("flashinfer", "auto", None),
+    "triton-bf16": ("triton", "auto", None),
+    "flashmla-bf16": ("flashmla", "auto", 64),
+    "latentspeed-bf16": ("latentspeed", "auto", 64),
+    "flashinfer-fp8_e4m3": ("flashinfer", "fp8_e4m3", None),
+    "latentspeed-fp8_e4m3": ("latentspeed", "fp8_e4m3", 64),
+    "latentspeed-fp8_e5m2": ("latentspeed", "fp8_e5m2", 64),
+}
+PAIRS = {
+    "bf16": [
+        ("flashinfer-bf16", "triton-bf16"),
+        ("flashinfer-bf16", "latentspeed-bf16"),
+        ("flashmla-bf16", "latentspeed-bf16"),
+    ],
+    "fp8": [
+        ("flashinfer-fp8_e4m3", "latentspeed-fp8_e4m3"),
+        ("flashinfer-bf16", "latentspeed-fp8_e5m2"),
+    ],
+}
+
+
+def is_floor(engine: str) -> bool:
+    return engine.startswith("triton")
+
+
+def make_engine(model: str, engine: str):
+    import sglang as sgl
+
+    backend, kv_dtype, page_size = ENGINES[engine]
+    return sgl.Engine(
+        model_path=model,
+        skip_tokenizer_init=True,
+        attention_backend=backend,
+        kv_cache_dtype=kv_dtype,
+        page_size=page_size,
+        context_length=17_000,
+        mem_fraction_static=0.7,
+        random_seed=0,
+        cuda_graph_max_bs_decode=64,
+    )
+
+
+def generate(engine, token_prompts, max_tokens=GEN_TOKENS):
+    params = {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": True}
+    outs = engine.generate(input_ids=token_prompts, sampling_params=params, return_logprob=True)
+    return [
+        {"prompt": prompt, "tokens": out["output_ids"], "logprobs": [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]}
+        for prompt, out in zip(token_prompts, outs)
+    ]
+
+
+def score(engine, sequences):
+    """Input log-probs of each sequence's generated tokens (the prefill path)."""
+    full = [s["prompt"] + s["tokens"] for s in sequences]
+    # Entry 0 of input_token_logprobs is the start token itself (no log-prob): start one early.
+    starts = [len(s["prompt"]) - 1 for s in sequences]
+    outs = engine.generate(input_ids=full, sampling_params={"temperature": 0.0, "max_new_tokens": 0},
+                           return_logprob=True, logprob_start_len=starts)
+    scored = []
+    for seq, out in zip(sequences, outs):
+        entries = out["meta_info"]["input_token_logprobs"][1:]
+        assert [tok for _, tok, _ in entries] == seq["tokens"], "scored tokens do not line up"
+        scored.append([lp for lp, _, _ in entries])
+    return scored
+
+
+def throughput(engine, num_requests, prompt_len, out_len, seed):
+    batch = prompts(seed, num_requests, prompt_len, prompt_len)
+    engine.generate(input_ids=batch[:2], sampling_params={"max_new_tokens": 4, "ignore_eos": True})  # warm-up
+    first = prompts(seed + 1, num_requests, prompt_len, prompt_len)
+    t0 = time.perf_counter()
+    engine.generate(input_ids=first, sampling_params={"max_new_tokens": 1, "ignore_eos": True})
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine.generate(input_ids=batch, sampling_params={"max_new_tokens": out_len, "ignore_eos": True})
+    total_s = time.perf_counter() - t0
+    return {
+        "requests": num_requests, "prompt_len": prompt_len, "output_len": out_len, "total_s": total_s,
+        "prefill_s": prefill_s, "output_tok_s": num_requests * out_len / total_s,
+        "decode_tok_s_est": num_requests * (out_len - 1) / max(total_s - prefill_s, 1e-9),
+    }
+
+
+def worker(args):
+    task = json.loads(Path(args.task).read_text())
+    engine = make_engine(task["model"], task["engine"])
+    result = {"engine": task["engine"], "scores": {}}
+    try:
+        if task.get("generate"):
+            token_prompts = prompts(0, 8, 3000, 12000)
+            result["generated"] = generate(engine, token_prompts)
+            if ENGINES[task["engine"]][0] == "latentspeed":
+                again = generate(engine, token_prompts)  # radix-cache hit on every prompt
+                diffs = [abs(a - b) for s, t in zip(result["generated"], again) for a, b in zip(s["logprobs"], t["logprobs"])]
+                same = all(s["tokens"] == t["tokens"] for s, t in zip(result["generated"], again))
+                result["prefix_cache_rerun"] = {"same_tokens": same, "max_abs_logprob_diff": max(diffs)}
+        for other in task.get("score", []):
+            sequences = json.loads(Path(task["workdir"], f"{other}.json").read_text())["generated"]
+            result["scores"][other] = score(engine, sequences)
+        if task.get("throughput"):
+            result["throughput"] = [throughput(engine, 64, 1024, 128, seed=10), throughput(engine, 16, 16_000, 128, seed=20)]
+    finally:
+        engine.shutdown()
+    Path(task["workdir"], f"{task['engine']}{task.get('suffix', '')}.json").write_text(json.dumps(result))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd")
+    sub.add_parser("worker").add_argument("--task", required=True)
+    parser.add_argument("--group", choices=sorted(PAIRS), default="bf16")
+    parser.add_argument("--workdir", default="/tmp/latentspeed-e2e-sglang")
+    parser.add_argument("--out", default="e2e-sglang.json")
+    parser.add_argument("--throughput", action="store_true")
+    parser.add_argument("--reuse", action="store_true", help="reuse decodes an earlier run left in --workdir")
+    args = parser.parse_args()
+    os.environ.setdefault("SGLANG_LOGGING_LEVEL", "WARNING")
+    if args.cmd == "worker":
+        worker(args)
+    else:
+        driver(args, tuple(ENGINES), PAIRS, __file__, is_floor)
+
+
+if __name__ == "__main__":
+    main()
