@@ -9,13 +9,12 @@ the prompts a second time so that the radix-cached prefix goes through its exten
     python tests/gpu/sglang_e2e.py --group bf16 --throughput --workdir /tmp/e2e-sglang --out e2e.json
 """
 
-import argparse
 import json
 import os
 import time
 from pathlib import Path
 
-from vllm_e2e import GEN_TOKENS, driver, prompts
+from vllm_e2e import GEN_TOKENS, driver, parse_args, prompts
 
 ENGINES = {
     # name: (attention backend, kv-cache dtype, page size; None keeps SGLang's default)
@@ -126,15 +125,7 @@ def worker(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="cmd")
-    sub.add_parser("worker").add_argument("--task", required=True)
-    parser.add_argument("--group", choices=sorted(PAIRS), default="bf16")
-    parser.add_argument("--workdir", default="/tmp/latentspeed-e2e-sglang")
-    parser.add_argument("--out", default="e2e-sglang.json")
-    parser.add_argument("--throughput", action="store_true")
-    parser.add_argument("--reuse", action="store_true", help="reuse decodes an earlier run left in --workdir")
-    args = parser.parse_args()
+    args = parse_args(__doc__, PAIRS, "/tmp/latentspeed-e2e-sglang", "e2e-sglang.json")
     os.environ.setdefault("SGLANG_LOGGING_LEVEL", "WARNING")
     if args.cmd == "worker":
         worker(args)

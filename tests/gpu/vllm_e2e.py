@@ -227,17 +227,21 @@ def driver(args, engine_names=tuple(ENGINES), pair_groups=PAIRS, script=__file__
         raise SystemExit(f"agreement beyond twice the floor: {failed}")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(description: str, pair_groups: dict, workdir: str, out: str) -> argparse.Namespace:
+    """The command line shared by the engines' e2e scripts: a driver, or ``worker --task``."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd")
-    w = sub.add_parser("worker")
-    w.add_argument("--task", required=True)
-    parser.add_argument("--group", choices=sorted(PAIRS), default="bf16")
-    parser.add_argument("--workdir", default="/tmp/latentspeed-e2e")
-    parser.add_argument("--out", default="e2e.json")
+    sub.add_parser("worker").add_argument("--task", required=True)
+    parser.add_argument("--group", choices=sorted(pair_groups), default="bf16")
+    parser.add_argument("--workdir", default=workdir)
+    parser.add_argument("--out", default=out)
     parser.add_argument("--throughput", action="store_true")
     parser.add_argument("--reuse", action="store_true", help="reuse decodes an earlier run left in --workdir")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args(__doc__, PAIRS, "/tmp/latentspeed-e2e", "e2e.json")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     worker(args) if args.cmd == "worker" else driver(args)
 
