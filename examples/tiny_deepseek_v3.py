@@ -47,7 +47,6 @@ def make_tiny_deepseek_v3(path: str, num_heads: int = 128, num_layers: int = 3, 
     with torch.device(device):
         model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
-    _add_router_bias(Path(path), config)
     config_path = Path(path) / "config.json"
     saved = json.loads(config_path.read_text())
     # SGLang's DeepSeek loader reads moe_layer_freq, which save_pretrained leaves out.
@@ -58,20 +57,6 @@ def make_tiny_deepseek_v3(path: str, num_heads: int = 128, num_layers: int = 3, 
     saved["torch_dtype"] = "bfloat16"
     config_path.write_text(json.dumps(saved, indent=2))
     return path
-
-
-def _add_router_bias(path: Path, config) -> None:
-    """DeepSeek-V3 checkpoints carry each router's ``e_score_correction_bias`` (noaux_tc
-    routing); transformers keeps it as a buffer that ``save_pretrained`` leaves out, and
-    vLLM's loader requires it. Zero bias: routing as if the bias were never trained."""
-    from safetensors.torch import load_file, save_file
-
-    weights_file = path / "model.safetensors"
-    weights = load_file(weights_file)
-    for layer in range(config.first_k_dense_replace, config.num_hidden_layers):
-        name = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
-        weights.setdefault(name, torch.zeros(config.n_routed_experts, dtype=torch.float32))
-    save_file(weights, weights_file, metadata={"format": "pt"})
 
 
 if __name__ == "__main__":

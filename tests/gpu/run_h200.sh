@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
 #   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench e2e-bf16 e2e-fp8 (vLLM bundle on
-#                                         PYTHONPATH), sglang-e2e-bf16 sglang-e2e-fp8 (SGLang bundle)
+#                                         PYTHONPATH), sglang-e2e-bf16 sglang-e2e-fp8 (SGLang bundle),
+#                                         refmodel (train the reference model; no engine needed)
 # Logs and JSON land in $OUT (the device tool's output folder) or ./gpu-out.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -24,6 +25,8 @@ for step in "$@"; do
     e2e-fp8)
       python3 tests/gpu/vllm_e2e.py --group fp8 --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-fp8.json" 2>&1 \
         | tee "$out/e2e-fp8.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
+    refmodel)  # its 8 files are all one call may bring back: run it alone
+      python3 -m benchmarks.reference_model.train --out "$out/refmodel" 2>&1 | tail -n 20 ;;
     sglang-e2e-bf16|sglang-e2e-fp8)
       group=${step#sglang-e2e-}
       python3 tests/gpu/sglang_e2e.py --group "$group" --throughput --reuse --workdir /tmp/e2e-sglang \

@@ -1,0 +1,1 @@
+"""latentspeed's benchmarks and the reference-model builder (importable for their tests)."""
