@@ -1,6 +1,8 @@
 """The ``latentspeed`` command.
 
     latentspeed info [--json]   versions, GPU, and which latentspeed components are usable here
+    latentspeed eval ...        perplexity of a text through vLLM or SGLang with latentspeed's
+                                options, and agreement with the engine's bf16 defaults
     latentspeed demo            on a GPU with vLLM: the tiny DeepSeek-V3 through vLLM with
                                 latentspeed and with FLASHMLA, side by side; without a GPU: one
                                 decode step through the kernels (Triton interpreter) against
@@ -179,8 +181,36 @@ def main(argv: list[str] | None = None) -> int:
     info_parser = sub.add_parser("info", help="versions, GPU and usable components")
     info_parser.add_argument("--json", action="store_true")
     sub.add_parser("demo", help="the main job (see above)")
+    ev = sub.add_parser("eval", help="perplexity and agreement through a real engine")
+    ev.add_argument("--model", required=True, help="HF model directory (config, weights, tokenizer)")
+    ev.add_argument("--text", required=True, help="UTF-8 text file to score")
+    ev.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
+    ev.add_argument("--attention-backend", default=None, help="e.g. CUSTOM (vLLM) or latentspeed (SGLang)")
+    ev.add_argument("--kv-cache-dtype", default="auto")
+    ev.add_argument("--quantization", default=None)
+    ev.add_argument("--reference", action="store_true", help="also run the engine's bf16 defaults and compare")
+    ev.add_argument("--window", type=int, default=1024, help="tokens per scored window")
+    ev.add_argument("--max-windows", type=int, default=64)
+    ev.add_argument("--top-k", type=int, default=8, help="top log-probs per position (top-1 agreement, KL)")
+    ev.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    return info(args.json) if args.command == "info" else demo()
+    if args.command == "info":
+        return info(args.json)
+    if args.command == "eval":
+        return evaluate(args)
+    return demo()
+
+
+def evaluate(args) -> int:
+    from .evaluate import format_table, run
+
+    try:
+        report = run(args)
+    except (ValueError, RuntimeError) as err:
+        print(f"latentspeed eval: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return 0
 
 
 if __name__ == "__main__":
