@@ -92,7 +92,6 @@ class LatentspeedMLABackend(AttentionBackend):
         self.graph_seq_lens: torch.Tensor | None = None
         self.graph_tree_mask: torch.Tensor | None = None
 
-    # ---- metadata -------------------------------------------------------------------------
 
     def _page_table(self, req_pool_indices: torch.Tensor, num_pages: int) -> torch.Tensor:
         """Page ids of each request's first ``num_pages`` pages (slot // page of each page start)."""
@@ -146,7 +145,6 @@ class LatentspeedMLABackend(AttentionBackend):
         max_seq_len = int(seq_lens_cpu.max()) if seq_lens_cpu is not None and len(seq_lens_cpu) else self.max_context_len
         self.forward_metadata = self._metadata(forward_batch, max_seq_len)
 
-    # ---- CUDA graphs (decode and target verify) ------------------------------------------
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         max_pages = -(-(self.max_context_len + max_num_tokens // max(max_bs, 1)) // self.page_size)
@@ -176,7 +174,6 @@ class LatentspeedMLABackend(AttentionBackend):
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs):
         """Nothing to do: the tree mask is converted in ``init_forward_metadata_out_graph``."""
 
-    # ---- attention ------------------------------------------------------------------------
 
     def _cache(self, layer) -> torch.Tensor:
         buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
