@@ -62,3 +62,30 @@ def test_prefill_full_size(causal):
     ref, ref_lse = varlen_attention_ref(q, kv[..., :192], kv[..., 192:], cu_q, cu_k, 192**-0.5, causal)
     assert_close(out, ref, atol=1e-2, rtol=2e-2, name="prefill out")
     assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="prefill lse")
+
+
+@pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())
+def test_tree_and_ragged_decode_full_size(cache_name):
+    """Tree verification (16 draft tokens) and ragged chunks over a prefix, at 128 heads."""
+    from tests.common_kernels.test_mla import random_tree_masks
+
+    cache_dtype = CACHE_DTYPES[cache_name]
+    kv_scale = torch.tensor([0.02], device="cuda") if cache_name in FP8_CACHE else None
+    seq_lens_list = (3000, 16, 700)
+    cache, table = make_paged_cache(seq_lens_list, 64, 576, cache_dtype, 0.02 if kv_scale is not None else 1.0)
+    lens = torch.tensor(seq_lens_list, dtype=torch.int32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    q_nope = torch.randn(48, 128, 512, device="cuda", dtype=torch.bfloat16) * 0.1
+    q_pe = torch.randn(48, 128, 64, device="cuda", dtype=torch.bfloat16)
+
+    tree = random_tree_masks(3, 16, torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,)))))
+    plan = plan_decode(3, 128, 16, 3000, sms)
+    out, _ = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale, tree_mask=tree.cuda())
+    ref, _ = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0, tree_mask=tree)
+    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="tree decode")
+
+    starts = torch.tensor([0, 40, 41, 48], dtype=torch.int32, device="cuda")
+    plan = plan_decode(3, 128, 40, 3000, sms)
+    out, _ = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale, query_start_loc=starts)
+    ref, _ = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0, query_start_loc=starts)
+    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="ragged decode")
