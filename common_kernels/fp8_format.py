@@ -24,10 +24,15 @@ def fp8_grid(dtype: torch.dtype) -> tuple[int, int, float]:
 
 @triton.jit
 def round_to_fp8_grid(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
-    """``y`` (fp32, already clamped to the format's range) rounded to the fp8 grid."""
-    bits = y.to(tl.int32, bitcast=True)
+    """``y`` (fp32, already clamped to the format's range) rounded to the fp8 grid; values that
+    round to zero keep their sign, as the hardware cast does."""
+    magnitude = tl.abs(y)
+    bits = magnitude.to(tl.int32, bitcast=True)
     exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)
     ulp = ((exponent - MANT_BITS + 127) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - MANT_BITS)
     # Adding and subtracting 1.5 * 2^23 rounds an fp32 of magnitude < 2^22 to an integer, ties to even.
     magic = 12582912.0
-    return ((y / ulp + magic) - magic) * ulp
+    rounded = ((magnitude / ulp + magic) - magic) * ulp
+    # Copy the sign bit (not `-x`, which Triton computes as 0 - x and so loses it on zero).
+    sign = y.to(tl.int32, bitcast=True) & -2147483648
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)

@@ -1,0 +1,95 @@
+"""Dynamic per-token-group fp8 quantization of activations (DeepSeek-V3's 1 x 128 groups).
+
+For row ``m`` and group ``g`` (columns ``[g * G, (g + 1) * G)``)::
+
+    s[m, g] = max(amax(x[m, group]), eps) / fp8_max        (rounded up to a power of two on request)
+    q[m, k] = fp8(clamp(x[m, k] / s[m, g], -fp8_max, fp8_max))
+
+Output ``q [M, K]`` E4M3 (or E5M2), scales ``s [M, cdiv(K, G)]`` fp32, the layout the block-scaled
+GEMM reads. Non-finite inputs make their group's scale non-finite; they are counted into
+``stats[1]`` (``common_kernels.guard``) so the engine can warn or stop instead of multiplying
+garbage. With dynamic scales nothing saturates unless a scale is forced to a power of two, which
+never rounds it down.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fp8_format import FP8_DTYPES, fp8_grid, round_to_fp8_grid
+
+
+@triton.jit
+def _group_quant_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    stats_ptr,
+    num_cols,
+    stride_x_m,
+    stride_q_m,
+    stride_s_m,
+    eps,
+    GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MANT_BITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    POW2_SCALE: tl.constexpr,
+    TRACK_STATS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    offs = group * GROUP + tl.arange(0, GROUP)
+    mask = offs < num_cols
+    x = tl.load(x_ptr + row * stride_x_m + offs, mask=mask, other=0.0).to(tl.float32)  # [GROUP]
+    scale = tl.maximum(tl.max(tl.abs(x), 0), eps) / FP8_MAX
+    if POW2_SCALE:
+        # Up to the next power of two, exactly: carry any mantissa bit into the exponent.
+        scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    y = round_to_fp8_grid(tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX), MANT_BITS, MIN_EXP)
+    tl.store(q_ptr + row * stride_q_m + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row * stride_s_m + group, scale)
+    if TRACK_STATS:
+        nonfinite = tl.sum(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), 0)
+        tl.atomic_add(stats_ptr + 1, nonfinite)
+
+
+def quantize_per_token_group(
+    x: torch.Tensor,
+    group_size: int = 128,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    pow2_scale: bool = False,
+    eps: float = 1e-10,
+    stats: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each ``group_size`` columns of each row of ``x`` to fp8 with its own scale.
+
+    Args:
+        x: ``[M, K]`` bf16/fp16/fp32, last dim contiguous; ``K`` need not divide by the group.
+        group_size: columns per scale, a power of two >= 16 (128 for DeepSeek-V3).
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        pow2_scale: round every scale up to a power of two (exact rescaling, DeepGEMM's UE8M0).
+        eps: floor of a group's absolute maximum (an all-zero group gets scale eps / fp8_max).
+        stats: optional ``[2]`` int32 guard counters; non-finite inputs are added to ``stats[1]``.
+
+    Returns:
+        ``(q [M, K] fp8, scales [M, cdiv(K, group_size)] fp32)``; ``x ≈ q * scales`` per group.
+    """
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be a [M, K] tensor with a contiguous last dim, got {tuple(x.shape)}")
+    if group_size < 16 or group_size & (group_size - 1):
+        raise ValueError(f"group_size={group_size} is not supported: a power of two >= 16 is")
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dtype {fp8_dtype} is not supported: one of {FP8_DTYPES} is")
+    rows, cols = x.shape
+    groups = triton.cdiv(cols, group_size)
+    q = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
+    scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    if rows and cols:
+        mant_bits, min_exp, fp8_max = fp8_grid(fp8_dtype)
+        _group_quant_kernel[(rows, groups)](
+            x, q, scales, stats if stats is not None else scales, cols, x.stride(0), q.stride(0), scales.stride(0), eps,
+            GROUP=group_size, FP8_MAX=fp8_max, MANT_BITS=mant_bits, MIN_EXP=min_exp, POW2_SCALE=pow2_scale,
+            TRACK_STATS=stats is not None,
+        )
+    return q, scales

@@ -1,0 +1,40 @@
+"""Plain-PyTorch references for the fp8 kernels (fp32 math)."""
+
+import torch
+
+from ..fp8_format import fp8_grid
+
+
+def quantize_per_token_group_ref(x: torch.Tensor, group_size: int = 128, fp8_dtype=torch.float8_e4m3fn,
+                                 pow2_scale: bool = False, eps: float = 1e-10):
+    """Same contract as ``quantize_per_token_group``."""
+    _, _, fp8_max = fp8_grid(fp8_dtype)
+    rows, cols = x.shape
+    groups = -(-cols // group_size)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group_size - cols)).view(rows, groups, group_size)
+    scales = padded.abs().amax(-1).clamp_min(eps) / fp8_max
+    if pow2_scale:
+        scales = torch.exp2(torch.ceil(torch.log2(scales)))
+    q = (padded / scales[..., None]).clamp(-fp8_max, fp8_max).to(fp8_dtype).view(rows, -1)[:, :cols]
+    return q, scales
+
+
+def block_scaled_gemm_ref(a, a_scale, b, b_scale, out_dtype=torch.bfloat16, block: int = 128) -> torch.Tensor:
+    """``(A * a_scale) @ (B * b_scale).T`` with per-block scales expanded, in fp32."""
+    k = a.shape[1]
+    a_full = a.float() * a_scale.repeat_interleave(block, dim=1)[:, :k]
+    b_full = b.float() * b_scale.repeat_interleave(block, dim=0)[: b.shape[0]].repeat_interleave(block, dim=1)[:, :k]
+    return (a_full @ b_full.T).to(out_dtype)
+
+
+def quantize_weight_blocks_ref(w: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, block: int = 128):
+    """``[N, K]`` weights as fp8 with one scale per ``block x block`` tile (DeepSeek-V3's
+    ``weight_scale_inv`` layout ``[cdiv(N, block), cdiv(K, block)]``)."""
+    _, _, fp8_max = fp8_grid(fp8_dtype)
+    n, k = w.shape
+    nb, kb = -(-n // block), -(-k // block)
+    padded = torch.nn.functional.pad(w.float(), (0, kb * block - k, 0, nb * block - n))
+    tiles = padded.view(nb, block, kb, block)
+    scales = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-10) / fp8_max
+    q = (tiles / scales[:, None, :, None]).clamp(-fp8_max, fp8_max).to(fp8_dtype).view(nb * block, kb * block)
+    return q[:n, :k].contiguous(), scales

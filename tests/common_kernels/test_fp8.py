@@ -1,0 +1,74 @@
+"""FP8 kernels against the PyTorch references (CPU: Triton interpreter; small, ragged shapes)."""
+
+import pytest
+import torch
+
+from common_kernels.fp8 import block_scaled_gemm, quantize_per_token_group
+from common_kernels.fp8.reference import block_scaled_gemm_ref, quantize_per_token_group_ref, quantize_weight_blocks_ref
+from tests.helpers import assert_close, device
+
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+@pytest.mark.parametrize("fp8_name", FP8.keys())
+@pytest.mark.parametrize("shape", [(5, 300), (1, 128), (9, 64)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("pow2_scale", [False, True], ids=["scale", "pow2_scale"])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32], ids=["bf16_in", "fp32_in"])
+def test_group_quant_matches_reference(fp8_name, shape, pow2_scale, in_dtype):
+    x = (torch.randn(shape, device=device()) * torch.logspace(-3, 3, shape[1], device=device())).to(in_dtype)
+    q, scales = quantize_per_token_group(x, 128, FP8[fp8_name], pow2_scale)
+    q_ref, scales_ref = quantize_per_token_group_ref(x, 128, FP8[fp8_name], pow2_scale)
+    assert_close(scales, scales_ref, atol=0, rtol=0, name="scales")
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), "fp8 codes differ from the reference"
+    if pow2_scale:
+        assert torch.equal(scales, torch.exp2(torch.log2(scales).round()))
+
+
+def test_group_quant_counts_nonfinite_inputs():
+    x = torch.randn(3, 256, device=device())
+    x[0, 5], x[2, 200] = float("nan"), float("-inf")
+    stats = torch.zeros(2, dtype=torch.int32, device=device())
+    _, scales = quantize_per_token_group(x, 128, stats=stats)
+    assert stats.tolist() == [0, 2]
+    assert not torch.isfinite(scales[2, 1]) and torch.isfinite(scales[1]).all()
+
+
+@pytest.mark.parametrize("m", [1, 7, 33])
+@pytest.mark.parametrize("n,k", [(64, 128), (200, 320), (256, 512)], ids=["n64_k128", "n200_k320", "n256_k512"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_block_scaled_gemm_matches_reference(m, n, k, out_dtype):
+    x = torch.randn(m, k, device=device()) * 3
+    w = torch.randn(n, k, device=device()) * 0.02
+    a, a_scale = quantize_per_token_group_ref(x)
+    b, b_scale = quantize_weight_blocks_ref(w)
+    out = torch.full((m, n), float("nan"), dtype=out_dtype, device=device())
+
+    block_scaled_gemm(a, a_scale, b, b_scale, out_dtype, out=out)
+
+    ref = block_scaled_gemm_ref(a, a_scale, b, b_scale, torch.float32)
+    assert_close(out, ref, atol=1e-3, rtol=1e-2, name="gemm")
+    # And the whole pipeline stays near the unquantized product (E4M3: ~2^-4 per factor).
+    assert ((out.float() - x @ w.T).norm() / (x @ w.T).norm()).item() < 0.08
+
+
+def test_block_scaled_gemm_rejects_malformed_scales():
+    a, a_scale = quantize_per_token_group_ref(torch.randn(4, 256))
+    b, b_scale = quantize_weight_blocks_ref(torch.randn(128, 256))
+    with pytest.raises(ValueError, match=r"b_scale must be fp32 \[1, 2\] \(128 x 128 blocks\)"):
+        block_scaled_gemm(a, a_scale, b, b_scale.T.contiguous())
+    with pytest.raises(ValueError, match=r"a_scale must be fp32 \[4, 2\]"):
+        block_scaled_gemm(a, a_scale[:, :1].contiguous(), b, b_scale)
+    with pytest.raises(ValueError, match="must be fp8"):
+        block_scaled_gemm(a.float(), a_scale, b, b_scale)
+    with pytest.raises(ValueError, match="must share K"):
+        block_scaled_gemm(a[:, :128].contiguous(), a_scale, b, b_scale)
+
+
+def test_support_names_the_limit():
+    from common_kernels.fp8 import is_supported
+
+    assert is_supported(weight_block=(128, 128), activation_group=128, capability=(9, 0)) == (True, "")
+    ok, reason = is_supported(weight_block=(64, 128), activation_group=128)
+    assert not ok and "weight block [64, 128]" in reason
+    ok, reason = is_supported(weight_block=(128, 128), activation_group=128, capability=(8, 0))
+    assert not ok and "8.9 or newer" in reason

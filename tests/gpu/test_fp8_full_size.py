@@ -1,0 +1,23 @@
+"""FP8 kernels against the references at DeepSeek-V3 GEMM shapes, on a GPU."""
+
+import pytest
+import torch
+
+from common_kernels.fp8 import block_scaled_gemm, quantize_per_token_group
+from common_kernels.fp8.reference import block_scaled_gemm_ref, quantize_per_token_group_ref, quantize_weight_blocks_ref
+from tests.helpers import assert_close
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+SHAPES = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
+
+
+@pytest.mark.parametrize("n,k", SHAPES, ids=[f"n{n}_k{k}" for n, k in SHAPES])
+@pytest.mark.parametrize("m", [1, 64, 512])
+def test_block_scaled_gemm_deepseek_shapes(m, n, k):
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    a, a_scale = quantize_per_token_group(x)
+    a_ref, a_scale_ref = quantize_per_token_group_ref(x)
+    assert torch.equal(a.view(torch.uint8), a_ref.view(torch.uint8)) and torch.equal(a_scale, a_scale_ref)
+    b, b_scale = quantize_weight_blocks_ref(torch.randn(n, k, device="cuda") * 0.02)
+    out = block_scaled_gemm(a, a_scale, b, b_scale)
+    assert_close(out, block_scaled_gemm_ref(a, a_scale, b, b_scale, torch.float32), atol=1e-3, rtol=1e-2, name="gemm")
