@@ -1,0 +1,118 @@
+"""Block-scaled fp8 GEMM time: latentspeed against vLLM's Triton, CUTLASS and DeepGEMM kernels and bf16 cuBLAS.
+
+DeepSeek-V3's linear shapes (N, K) at M = 1 ... 4096, one process, same weights for everyone:
+E4M3 weights with 128 x 128 block scales, activations quantized per 1 x 128 group by each
+provider's own quantizer in the layout its GEMM reads (quantization is outside the timed region;
+latentspeed's quantizer is timed on its own). CUDA-event medians (``triton.testing.do_bench``,
+L2 flushed). FLOPs = 2·M·N·K. Every output is checked against the fp32 product of the
+dequantized operands.
+
+    python benchmarks/fp8_gemm.py --out benchmarks/results/fp8_gemm.json
+
+DeepGEMM runs with fp32 scales (``VLLM_USE_DEEP_GEMM_E8M0=0``), as in DeepSeek-V3's checkpoints;
+vLLM's default on an H200 would round them to powers of two.
+"""
+
+import os
+
+os.environ.setdefault("VLLM_USE_DEEP_GEMM_E8M0", "0")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from common_kernels.fp8 import block_scaled_gemm, quantize_per_token_group  # noqa: E402
+from common_kernels.fp8.reference import quantize_weight_blocks_ref  # noqa: E402
+
+SHAPES = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
+
+
+def ours(x, w, ws):
+    a, a_s = quantize_per_token_group(x)
+    return lambda: block_scaled_gemm(a, a_s, w, ws)
+
+
+def vllm_triton(x, w, ws):
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+        per_token_group_quant_fp8,
+        w8a8_triton_block_scaled_mm,
+    )
+
+    a, a_s = per_token_group_quant_fp8(x, 128, column_major_scales=False, use_ue8m0=False)
+    return lambda: w8a8_triton_block_scaled_mm(a, w, a_s, ws, [128, 128], torch.bfloat16)
+
+
+def vllm_cutlass(x, w, ws):
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
+    from vllm.model_executor.layers.quantization.utils.w8a8_utils import CUTLASS_BLOCK_FP8_SUPPORTED
+
+    if not CUTLASS_BLOCK_FP8_SUPPORTED or w.shape[0] % 128 or w.shape[1] % 128:
+        return None  # its SM90 blockwise kernel needs N and K multiples of 128
+    a, a_s = per_token_group_quant_fp8(x, 128, column_major_scales=True, use_ue8m0=False)
+    return lambda: ops.cutlass_scaled_mm(a, w.t(), scale_a=a_s, scale_b=ws.t(), out_dtype=torch.bfloat16)
+
+
+def vllm_deep_gemm(x, w, ws):
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
+    from vllm.utils.deep_gemm import fp8_gemm_nt, is_deep_gemm_supported, should_use_deepgemm_for_fp8_linear
+
+    if not is_deep_gemm_supported() or not should_use_deepgemm_for_fp8_linear(torch.bfloat16, tuple(w.shape)):
+        return None
+    a, a_s = per_token_group_quant_fp8(x, 128, column_major_scales=True, tma_aligned_scales=True, use_ue8m0=False)
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device="cuda")
+
+    def run():
+        fp8_gemm_nt((a, a_s), (w, ws), out, is_deep_gemm_e8m0_used=False)
+        return out
+
+    return run
+
+
+def cublas_bf16(x, w, ws):
+    w_bf16 = (w.float() * ws.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]).bfloat16()
+    return lambda: x @ w_bf16.T
+
+
+PROVIDERS = {"latentspeed": ours, "vLLM-Triton": vllm_triton, "vLLM-CUTLASS": vllm_cutlass,
+             "vLLM-DeepGEMM": vllm_deep_gemm, "cuBLAS-bf16": cublas_bf16}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 128, 512, 4096])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    rows = []
+    for n, k in SHAPES:
+        w, ws = quantize_weight_blocks_ref(torch.randn(n, k, device="cuda") / k**0.5)
+        w_deq = w.float() * ws.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        for m in args.m:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ w_deq.T
+            quant_us = triton.testing.do_bench(lambda: quantize_per_token_group(x), return_mode="median") * 1e3
+            for name, make in PROVIDERS.items():
+                try:
+                    fn = make(x, w, ws)
+                    if fn is None:
+                        continue
+                    err = ((fn().float() - ref).norm() / ref.norm()).item()
+                    us = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+                except Exception as exc:  # a kernel refusing a shape, or missing on this card
+                    print(f"{name} m{m} n{n} k{k}: unavailable ({type(exc).__name__}: {str(exc)[:160]})", file=sys.stderr)
+                    continue
+                row = dict(provider=name, m=m, n=n, k=k, us=us, tflop_s=2 * m * n * k / us / 1e6, rel_err=err)
+                if name == "latentspeed":
+                    row["quant_us"] = quant_us
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"card": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+                   "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
