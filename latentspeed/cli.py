@@ -164,7 +164,8 @@ for name, dtype in (("bf16", torch.bfloat16), ("fp8 E4M3", torch.float8_e4m3fn),
     plan = plan_decode(2, heads, 1, max(seq_lens), num_sms=4)
     fp8 = dtype != torch.bfloat16
     out, lse = mla_decode(q_nope, q_pe, cache, table, lens, scale, plan, kv_scale=kv_scale if fp8 else None)
-    ref, ref_lse = mla_decode_ref(q_nope, q_pe, cache, table, lens, scale, kv_scale if fp8 else 1.0)
+    ref, ref_lse = mla_decode_ref(q_nope, q_pe, cache, table, lens, scale, kv_scale if fp8 else 1.0,
+                                  fp8_queries=plan.fp8_queries(dtype))
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     print(f"  {name:>8} cache: kernel vs reference: relative error {rel:.2e}, "
           f"max |lse diff| {(lse - ref_lse).abs().max().item():.2e} ({plan.num_splits} KV splits)")

@@ -20,6 +20,13 @@ writes a normalized partial output and its log-sum-exp, and a second kernel merg
 with ``S == 1`` the first kernel writes the result directly. Row groups are the fastest
 grid axis, so when ``H * S_q > BLOCK_R`` the programs sharing a tile run side by side and
 the re-read is served from L2.
+
+fp8 caches: tiles are widened to fp16 (one native conversion per two values; fp8 to bf16
+costs three more), and the queries are brought to fp16 range by a power of two per row,
+which is exact. Row groups of 64 (``H * S_q >= 33``) instead compute ``Q K^T`` on fp8 tensor
+cores: each query row ``[q_nope | q_pe]`` is scaled by the power of two that brings its
+largest magnitude into ``[128, 256)`` and rounded to E4M3 (``DecodePlan.fp8_queries``; the
+reference models it with ``fp8_queries=True``), and ``P V`` stays in fp16.
 """
 
 import os
@@ -29,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8_format import FP8_DTYPES
+from ..fp8_format import FP8_DTYPES, round_to_fp8_grid
 from .cache import HALF_DTYPES
 from .softmax import finish_softmax, online_softmax_step
 
@@ -37,18 +44,22 @@ _LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _launch_config(block_rows: int, page_size: int) -> tuple[int, int, int]:
+def _launch_config(block_rows: int, page_size: int, is_fp8: bool) -> tuple[int, int, int]:
     """``(BLOCK_N, num_warps, num_stages)`` for a decode launch: fixed per shape, so a CUDA
     graph can be captured without benchmarking inside the capture (Triton's autotuner
     times candidates with device syncs, which capture forbids) and every batch of a shape
-    runs the same code. A 64-row fp32 accumulator of 512 columns fills 8 warps' registers,
-    so wide row groups take 8 warps and 32-token tiles; narrow ones 4 warps and 64-token
-    tiles. Tiles never cross a page."""
+    runs the same code. Chosen on the H200 (benchmarks/notes.md): 64-token tiles; 8 warps
+    for 64-row groups (a 64 x 512 fp32 accumulator) and for fp8 tiles, whose conversion
+    needs registers; 4 warps otherwise. Tiles never cross a page."""
     if _INTERPRET:
         return 16, 4, 1
-    if block_rows >= 64:
-        return min(page_size, 32), 8, 2
-    return min(page_size, 64), 4, 2
+    return min(page_size, 64), 8 if block_rows >= 64 or is_fp8 else 4, 2
+
+
+@triton.jit
+def _to_e4m3(x):
+    """fp32 values of magnitude below 256 to E4M3, nearest even."""
+    return round_to_fp8_grid(x, 3, -6).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -84,6 +95,7 @@ def _mla_decode_split_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_FP8: tl.constexpr,
+    FP8_QUERIES: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
     TREE_MASK: tl.constexpr,
     VARLEN: tl.constexpr,
@@ -132,8 +144,23 @@ def _mla_decode_split_kernel(
         other=0.0,
     )  # [BLOCK_R, D_ROPE]
 
-    kv_scale = tl.load(kv_scale_ptr) if IS_FP8 else 1.0
-    score_scale = qk_scale_log2 * kv_scale
+    if IS_FP8:
+        kv_scale = tl.load(kv_scale_ptr)
+        q_max = tl.maximum(tl.max(tl.abs(q_nope.to(tl.float32)), 1), tl.max(tl.abs(q_pe.to(tl.float32)), 1))
+        # A power of two per row, so scaling is exact: max|row| * q_scale in [2^(E-1), 2^E).
+        q_exp = ((tl.maximum(q_max, 1e-30).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        if FP8_QUERIES:
+            q_scale = ((127 + 7 - q_exp) << 23).to(tl.float32, bitcast=True)  # E = 8
+            q_nope = _to_e4m3(q_nope.to(tl.float32) * q_scale[:, None])
+            q_pe = _to_e4m3(q_pe.to(tl.float32) * q_scale[:, None])
+        else:
+            q_scale = ((127 + 14 - q_exp) << 23).to(tl.float32, bitcast=True)  # E = 15, fp16 max 65504
+            q_nope = (q_nope.to(tl.float32) * q_scale[:, None]).to(tl.float16)
+            q_pe = (q_pe.to(tl.float32) * q_scale[:, None]).to(tl.float16)
+        score_scale = qk_scale_log2 * kv_scale / q_scale  # [BLOCK_R]
+    else:
+        kv_scale = 1.0
+        score_scale = tl.full([BLOCK_R], qk_scale_log2, tl.float32)
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D_LATENT], tl.float32)
@@ -147,9 +174,13 @@ def _mla_decode_split_kernel(
         kv_c = tl.load(rows + offs_c[None, :], mask=mask_n[:, None], other=0.0)  # [BLOCK_N, D_LATENT]
         k_pe = tl.load(rows + D_LATENT + offs_p[None, :], mask=mask_n[:, None], other=0.0)  # [BLOCK_N, D_ROPE]
         if IS_FP8:
-            # fp8 values are exact in bf16/fp16; the scale is applied to scores and output.
-            kv_c = kv_c.to(q_nope.dtype)
-            k_pe = k_pe.to(q_nope.dtype)
+            # fp8 values are exact in fp16; the scale is applied to scores and output.
+            v = kv_c.to(tl.float16)
+            if not FP8_QUERIES:
+                kv_c = v
+                k_pe = k_pe.to(tl.float16)
+        else:
+            v = kv_c
         scores = tl.dot(q_nope, tl.trans(kv_c))
         scores = tl.dot(q_pe, tl.trans(k_pe), scores)  # [BLOCK_R, BLOCK_N]
         if TREE_MASK:
@@ -158,9 +189,9 @@ def _mla_decode_split_kernel(
             seen = mask_n[None, :] & ((draft_k < 0)[None, :] | in_tree)
         else:
             seen = mask_n[None, :] & (offs_n[None, :] < visible[:, None])
-        scores = tl.where(seen, scores * score_scale, float("-inf"))
+        scores = tl.where(seen, scores * score_scale[:, None], float("-inf"))
         p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
-        acc = tl.dot(p.to(kv_c.dtype), kv_c, acc * alpha[:, None])
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
 
     inv_l, lse = finish_softmax(m_i, l_i)
     out = acc * (kv_scale * inv_l)[:, None]
@@ -227,6 +258,11 @@ class DecodePlan:
     num_heads: int
     block_rows: int
     num_splits: int
+
+    def fp8_queries(self, cache_dtype: torch.dtype) -> bool:
+        """Whether ``Q K^T`` runs in fp8 (queries quantized per row to E4M3): fp8 caches
+        with row groups of 64."""
+        return cache_dtype in FP8_DTYPES and self.block_rows >= MAX_BLOCK_ROWS
 
     @property
     def row_groups(self) -> int:
@@ -395,7 +431,7 @@ def mla_decode(
         part_out, part_lse = workspace
         part_out_strides = part_out.stride()[:3]
     grid = (plan.row_groups, plan.num_splits, plan.batch)
-    block_n, num_warps, num_stages = _launch_config(plan.block_rows, kv_cache.shape[1])
+    block_n, num_warps, num_stages = _launch_config(plan.block_rows, kv_cache.shape[1], is_fp8)
     _mla_decode_split_kernel[grid](
         q_nope,
         q_pe,
@@ -425,6 +461,7 @@ def mla_decode(
         PAGE_SIZE=kv_cache.shape[1],
         BLOCK_R=plan.block_rows,
         IS_FP8=is_fp8,
+        FP8_QUERIES=plan.fp8_queries(kv_cache.dtype),
         DIRECT_OUT=direct,
         TREE_MASK=tree_mask is not None,
         VARLEN=query_start_loc is not None,

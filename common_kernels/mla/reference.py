@@ -50,6 +50,19 @@ def gather_request_cache(
     return dequantize_cache(kv_cache[pages, pos % block_size], kv_scale)
 
 
+def quantize_query_rows(q_nope: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each ``(token, head)`` row of ``[q_nope | q_pe]`` scaled by the power of two that brings
+    its largest magnitude into ``[128, 256)``, rounded to E4M3 and scaled back, in fp32."""
+    q_nope, q_pe = q_nope.float(), q_pe.float()
+    q_max = torch.maximum(q_nope.abs().amax(-1), q_pe.abs().amax(-1)).clamp_min(1e-30)
+    scale = torch.ldexp(torch.ones_like(q_max), 8 - torch.frexp(q_max).exponent)[..., None]
+
+    def rounded(x):
+        return (x * scale).to(torch.float8_e4m3fn).float() / scale
+
+    return rounded(q_nope), rounded(q_pe)
+
+
 def mla_decode_ref(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -60,6 +73,7 @@ def mla_decode_ref(
     kv_scale: float | torch.Tensor = 1.0,
     tree_mask: torch.Tensor | None = None,
     query_start_loc: torch.Tensor | None = None,
+    fp8_queries: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight-absorbed MQA over the paged latent cache.
 
@@ -70,7 +84,11 @@ def mla_decode_ref(
     whose bit ``k`` is set in ``tree_mask[b, j]``. With ``query_start_loc [B + 1]`` request
     ``b`` has ``query_start_loc[b + 1] - query_start_loc[b]`` query tokens instead. Returns ``out [T, H, D_latent]`` (fp32) and
     ``lse [T, H]`` (fp32, natural log; ``-inf`` and a zero output where nothing is visible).
+    ``fp8_queries`` rounds each query row ``[q_nope | q_pe]`` to E4M3 first (with a power-of-two
+    scale per row), as the kernel does when ``DecodePlan.fp8_queries`` holds.
     """
+    if fp8_queries:
+        q_nope, q_pe = quantize_query_rows(q_nope, q_pe)
     num_tokens, num_heads, d_latent = q_nope.shape
     batch = seq_lens.shape[0]
     if query_start_loc is None:

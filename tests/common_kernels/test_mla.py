@@ -75,7 +75,8 @@ def test_decode_matches_reference(spec, cache_name, num_heads, block_size, num_s
 
     mla_decode(q_nope, q_pe, cache, block_table, seq_lens, scale, plan, kv_scale=kv_scale, out=out, lse=lse)
 
-    ref_out, ref_lse = mla_decode_ref(q_nope, q_pe, cache, block_table, seq_lens, scale, kv_scale or 1.0)
+    ref_out, ref_lse = mla_decode_ref(q_nope, q_pe, cache, block_table, seq_lens, scale, kv_scale or 1.0,
+                                      fp8_queries=plan.fp8_queries(cache_dtype))
     atol, rtol = DECODE_TOL[cache_name]
     assert_close(out, ref_out, atol=atol, rtol=rtol, name="decode out")
     assert_close(lse, ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1], name="decode lse")
@@ -100,7 +101,8 @@ def test_decode_deepseek_v3_dims(cache_name):
 
     out, lse = mla_decode(q_nope, q_pe, cache, block_table, seq_lens, scale, plan, kv_scale=kv_scale)
 
-    ref_out, ref_lse = mla_decode_ref(q_nope, q_pe, cache, block_table, seq_lens, scale, kv_scale or 1.0)
+    ref_out, ref_lse = mla_decode_ref(q_nope, q_pe, cache, block_table, seq_lens, scale, kv_scale or 1.0,
+                                      fp8_queries=plan.fp8_queries(cache_dtype))
     assert_close(out, ref_out, atol=2e-2, rtol=2e-2, name="decode out")
     assert_close(lse, ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1], name="decode lse")
 
@@ -136,7 +138,8 @@ def test_decode_tree_mask_matches_reference(cache_name, num_draft, num_splits):
 
     _, lse = mla_decode(q_nope, q_pe, cache, block_table, seq_lens, 0.125, plan, kv_scale, out=out, tree_mask=tree.to(dev))
 
-    ref_out, ref_lse = mla_decode_ref(q_nope, q_pe, cache, block_table, seq_lens, 0.125, kv_scale or 1.0, tree_mask=tree)
+    ref_out, ref_lse = mla_decode_ref(q_nope, q_pe, cache, block_table, seq_lens, 0.125, kv_scale or 1.0, tree_mask=tree,
+                                      fp8_queries=plan.fp8_queries(cache_dtype))
     atol, rtol = DECODE_TOL[cache_name]
     assert_close(out, ref_out, atol=atol, rtol=rtol, name="tree decode out")
     assert_close(lse, ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1], name="tree decode lse")
@@ -162,7 +165,8 @@ def test_decode_ragged_queries_match_reference(cache_name, num_splits):
 
     _, lse = mla_decode(q_nope, q_pe, cache, block_table, seq_lens, 0.125, plan, kv_scale, out=out, query_start_loc=starts)
 
-    ref_out, ref_lse = mla_decode_ref(q_nope, q_pe, cache, block_table, seq_lens, 0.125, kv_scale or 1.0, query_start_loc=starts)
+    ref_out, ref_lse = mla_decode_ref(q_nope, q_pe, cache, block_table, seq_lens, 0.125, kv_scale or 1.0,
+                                      query_start_loc=starts, fp8_queries=plan.fp8_queries(cache_dtype))
     atol, rtol = DECODE_TOL[cache_name]
     assert_close(out, ref_out, atol=atol, rtol=rtol, name="ragged decode out")
     assert_close(lse, ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1], name="ragged decode lse")

@@ -30,7 +30,8 @@ def test_decode_full_size(cache_name, num_heads, q_len, block_size):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plan = plan_decode(len(seq_lens_list), num_heads, q_len, max(seq_lens_list), sms)
     out, lse = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale)
-    ref, ref_lse = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0)
+    ref, ref_lse = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0,
+                                  fp8_queries=plan.fp8_queries(cache_dtype))
     assert_close(out, ref, atol=1e-2, rtol=2e-2, name="decode out")
     assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="decode lse")
 
@@ -81,11 +82,13 @@ def test_tree_and_ragged_decode_full_size(cache_name):
     tree = random_tree_masks(3, 16, torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,)))))
     plan = plan_decode(3, 128, 16, 3000, sms)
     out, _ = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale, tree_mask=tree.cuda())
-    ref, _ = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0, tree_mask=tree)
+    ref, _ = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0, tree_mask=tree,
+                            fp8_queries=plan.fp8_queries(cache_dtype))
     assert_close(out, ref, atol=1e-2, rtol=2e-2, name="tree decode")
 
     starts = torch.tensor([0, 40, 41, 48], dtype=torch.int32, device="cuda")
     plan = plan_decode(3, 128, 40, 3000, sms)
     out, _ = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale, query_start_loc=starts)
-    ref, _ = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0, query_start_loc=starts)
+    ref, _ = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0, query_start_loc=starts,
+                            fp8_queries=plan.fp8_queries(cache_dtype))
     assert_close(out, ref, atol=1e-2, rtol=2e-2, name="ragged decode")

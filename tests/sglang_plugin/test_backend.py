@@ -110,7 +110,7 @@ def test_extend_over_prefix_then_decode(cache_name):
     assert torch.equal(stored, as_stored(kv.squeeze(1).float(), cache_dtype)), "pool rows differ from a plain cast"
     cache, meta = pool.get_key_buffer(0).view(-1, PAGE, D_LATENT + D_ROPE), backend.forward_metadata
     ref, _ = mla_decode_ref(q[..., :D_LATENT], q[..., D_LATENT:], cache, meta.page_table, meta.seq_lens, SCALE,
-                            query_start_loc=meta.query_start_loc)
+                            query_start_loc=meta.query_start_loc, fp8_queries=meta.plan.fp8_queries(cache.dtype))
     assert_close(out.view(-1, HEADS, D_LATENT), ref, atol=2e-2, rtol=2e-2, name="extend out")
 
     # One decode step, queries split as DeepSeek passes them to absorbing backends.
@@ -123,7 +123,8 @@ def test_extend_over_prefix_then_decode(cache_name):
     backend.init_forward_metadata(step)
     out = backend.forward_decode(q_nope, k_nope, k_nope, layer, step, q_rope=q_rope, k_rope=k_rope)
     meta = backend.forward_metadata
-    ref, _ = mla_decode_ref(q_nope, q_rope, cache, meta.page_table, meta.seq_lens, SCALE)
+    ref, _ = mla_decode_ref(q_nope, q_rope, cache, meta.page_table, meta.seq_lens, SCALE,
+                            fp8_queries=meta.plan.fp8_queries(cache.dtype))
     assert_close(out.view(-1, HEADS, D_LATENT), ref, atol=2e-2, rtol=2e-2, name="decode out")
 
 
@@ -151,7 +152,7 @@ def test_target_verify_applies_the_tree():
 
     cache, meta = pool.get_key_buffer(0).view(-1, PAGE, D_LATENT + D_ROPE), backend.forward_metadata
     ref, _ = mla_decode_ref(q[..., :D_LATENT], q[..., D_LATENT:], cache, meta.page_table, meta.seq_lens, SCALE,
-                            tree_mask=tree)
+                            tree_mask=tree, fp8_queries=meta.plan.fp8_queries(cache.dtype))
     assert_close(out.view(-1, HEADS, D_LATENT), ref, atol=2e-2, rtol=2e-2, name="verify out")
 
 

@@ -84,7 +84,8 @@ def test_cache_update_then_decode(hopper, kv_cache_dtype, spec):
 
     out, lse = impl.forward_mqa((q_nope, q_pe), handed_over, metadata, layer)
 
-    ref, ref_lse = mla_decode_ref(q_nope, q_pe, typed, table, seq_lens, impl.scale, layer._k_scale)
+    ref, ref_lse = mla_decode_ref(q_nope, q_pe, typed, table, seq_lens, impl.scale, layer._k_scale,
+                                  fp8_queries=plan.fp8_queries(typed.dtype))
     assert_close(out, ref, atol=2e-2, rtol=2e-2, name="decode out")
     assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="decode lse")
 
