@@ -42,11 +42,12 @@ def _group_quant_kernel(
     offs = group * GROUP + tl.arange(0, GROUP)
     mask = offs < num_cols
     x = tl.load(x_ptr + row * stride_x_m + offs, mask=mask, other=0.0).to(tl.float32)  # [GROUP]
-    scale = tl.maximum(tl.max(tl.abs(x), 0), eps) / FP8_MAX
+    # Correctly rounded divisions (Triton's `/` is approximate on GPUs): bit-equal to the reference.
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), eps), FP8_MAX)
     if POW2_SCALE:
         # Up to the next power of two, exactly: carry any mantissa bit into the exponent.
         scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
-    y = round_to_fp8_grid(tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX), MANT_BITS, MIN_EXP)
+    y = round_to_fp8_grid(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX), MANT_BITS, MIN_EXP)
     tl.store(q_ptr + row * stride_q_m + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * stride_s_m + group, scale)
     if TRACK_STATS:

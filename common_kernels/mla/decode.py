@@ -53,6 +53,8 @@ def _launch_config(block_rows: int, page_size: int, is_fp8: bool) -> tuple[int, 
     needs registers; 4 warps otherwise. Tiles never cross a page."""
     if _INTERPRET:
         return 16, 4, 1
+    if not is_fp8 and block_rows <= 16:
+        return min(page_size, 32), 4, 2
     return min(page_size, 64), 8 if block_rows >= 64 or is_fp8 else 4, 2
 
 

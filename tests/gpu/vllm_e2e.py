@@ -111,7 +111,8 @@ def throughput(llm, num_requests, prompt_len, out_len, seed):
     from vllm import SamplingParams, TokensPrompt
 
     batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(seed, num_requests, prompt_len, prompt_len)]
-    llm.generate(batch[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    warm = [TokensPrompt(prompt_token_ids=p) for p in prompts(seed + 2, num_requests, prompt_len, prompt_len)]
+    llm.generate(warm, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)  # every batch size once
     first = [TokensPrompt(prompt_token_ids=p) for p in prompts(seed + 1, num_requests, prompt_len, prompt_len)]
     t0 = time.perf_counter()
     llm.generate(first, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
