@@ -5,9 +5,12 @@
 
 - ``LatentspeedMLABackend`` as ``AttentionBackendEnum.CUSTOM`` (``--attention-backend CUSTOM``);
 - ``LatentspeedMLAPrefill`` as ``MLAPrefillBackendEnum.CUSTOM``
-  (``-ac '{"mla_prefill_backend": "CUSTOM"}'``).
+  (``-ac '{"mla_prefill_backend": "CUSTOM"}'``);
+- ``LatentspeedFp8Config`` as the quantization method ``latentspeed_fp8``
+  (``--quantization latentspeed_fp8``; ``vllm_plugin/fp8.py``).
 
-Classes are registered by path, so nothing heavy is imported until vLLM selects them.
+The backends are registered by path, so they are imported only when vLLM selects them; the
+quantization registry takes the class itself.
 """
 
 _registered = False
@@ -27,6 +30,11 @@ def register() -> None:
     from vllm.v1.attention.backends.mla.prefill import MLAPrefillBackendEnum, register_mla_prefill_backend
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from .fp8 import NAME, LatentspeedFp8Config
+
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, PREFILL_PATH)
+    register_quantization_config(NAME)(LatentspeedFp8Config)
     _registered = True

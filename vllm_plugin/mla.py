@@ -43,6 +43,8 @@ from common_kernels.mla import (
 )
 from common_kernels.mla.support import SUPPORTED_BLOCK_SIZES
 
+from .fp8 import NAME as FP8_METHOD
+
 _CACHE_DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -157,7 +159,10 @@ class LatentspeedMLAMetadataBuilder(MLACommonMetadataBuilder[LatentspeedMLAMetad
                 f"{' or '.join(map(str, SUPPORTED_BLOCK_SIZES))}"
             )
         self._num_sms = num_compute_units(device.index or 0)
-        self._fp8_guard = fp8_guard(device) if kv_cache_spec.cache_dtype_str.startswith("fp8") else None
+        quantized = getattr(vllm_config.quant_config, "get_name", lambda: None)() == FP8_METHOD
+        fp8_cache = kv_cache_spec.cache_dtype_str.startswith("fp8")
+        # One host read every check_every steps covers the cache writes and latentspeed_fp8's linears.
+        self._fp8_guard = fp8_guard(device) if fp8_cache or quantized else None
         self._reserve_decode_workspace()
 
     def _reserve_decode_workspace(self) -> None:

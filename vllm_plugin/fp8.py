@@ -1,0 +1,239 @@
+"""``--quantization latentspeed_fp8``: DeepSeek-V3's block FP8 (W8A8: E4M3 weights in 128 x 128
+blocks with fp32 scales, activations quantized per token and 128 columns at run time, fp32
+accumulation) on latentspeed's Triton GEMM (``common_kernels.fp8``).
+
+Checkpoints it loads:
+
+- native DeepSeek-V3 FP8 (``quant_method: fp8``, ``weight_block_size: [128, 128]``,
+  ``weight_scale_inv``), claimed from vLLM's ``fp8`` method when the user asks for ours;
+- compressed-tensors FP8 block (``float-quantized``, strategy ``block``, ``weight_scale``), as
+  llm-compressor writes them, claimed from ``compressed-tensors`` likewise;
+- bf16/fp16, quantized to 128 x 128 blocks while loading.
+
+vLLM's own classes load and shard the weights; only the linear layers' GEMM is swapped for
+ours (``LatentspeedBlockFp8Kernel``). MoE experts and KV-cache scales stay vLLM's block-FP8
+methods for now. Weights keep vLLM's plain ``weight [N, K]`` / ``weight_scale_inv`` layout, so
+MLA's ``kv_b_proj`` is dequantized exactly for weight absorption.
+"""
+
+import torch
+from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import Fp8BlockScaledMMLinearKernel
+from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import FP8ScaledMMLinearLayerConfig
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+from vllm.model_executor.layers.linear import LinearBase, register_weight_loader_v2_supported_method
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+    CompressedTensorsConfig,
+    CompressedTensorsLinearMethod,
+)
+from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A8Fp8
+from vllm.model_executor.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
+from vllm.model_executor.layers.quantization.online.fp8 import (
+    Fp8PerBlockOnlineLinearMethod,
+    Fp8PerBlockOnlineMoEMethod,
+    _Fp8OnlineLinearBase,
+)
+from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+    create_fp8_scale_parameter,
+    create_fp8_weight_parameter,
+    validate_fp8_block_shape,
+)
+from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+from vllm.model_executor.parameter import BlockQuantScaleParameter
+from vllm.utils.torch_utils import direct_register_custom_op
+
+from common_kernels.fp8 import SCALE_BLOCK, block_scaled_gemm, is_supported, quantize_per_token_group
+from common_kernels.guard import fp8_guard
+
+NAME = "latentspeed_fp8"
+BLOCK = [SCALE_BLOCK, SCALE_BLOCK]
+
+
+def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` bf16/fp16 times the block-FP8 ``weight [N, K]`` (``weight_scale [N/128, K/128]``):
+    ``x`` is quantized per token and 128 columns (clamped and non-finite values counted by the
+    device's fp8 guard), then multiplied in fp8 with fp32 accumulation. Returns ``[M, N]`` in x's dtype."""
+    a, a_scale = quantize_per_token_group(x.contiguous(), SCALE_BLOCK, stats=fp8_guard(x.device).counters)
+    return block_scaled_gemm(a, a_scale, weight, weight_scale, out_dtype=x.dtype)
+
+
+def _block_fp8_linear_fake(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+_LIBRARY = torch.library.Library("latentspeed", "FRAGMENT")  # alive as long as the module
+direct_register_custom_op("block_fp8_linear", block_fp8_linear, fake_impl=_block_fp8_linear_fake, target_lib=_LIBRARY)
+
+
+def check_block_scales(layer: torch.nn.Module, scale: torch.Tensor) -> None:
+    """Refuse a layer whose loaded block scales are missing, mis-shaped or not finite and positive."""
+    name = getattr(layer, "prefix", None) or type(layer).__name__
+    n, k = layer.weight.shape
+    expected = (-(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK))
+    if tuple(scale.shape) != expected or scale.dtype != torch.float32:
+        raise ValueError(f"{NAME}: {name}: weight scales must be fp32 {list(expected)} for a [{n}, {k}] weight "
+                         f"in 128 x 128 blocks, got {scale.dtype} {list(scale.shape)}")
+    if bool((scale == torch.finfo(torch.float32).min).any()):
+        raise ValueError(f"{NAME}: {name}: the checkpoint has no scale for some weight blocks "
+                         "(weight_scale_inv / weight_scale missing or partial)")
+    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+        bad = int((~torch.isfinite(scale) | (scale <= 0)).sum())
+        raise ValueError(f"{NAME}: {name}: {bad} weight scales are not finite and positive")
+
+
+class LatentspeedBlockFp8Kernel(Fp8BlockScaledMMLinearKernel):
+    """vLLM's block-FP8 linear kernel interface, computed by ``torch.ops.latentspeed.block_fp8_linear``
+    (which quantizes the activations itself)."""
+
+    apply_input_quant = False
+
+    @classmethod
+    def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
+        capability = None if compute_capability is None else divmod(compute_capability, 10)
+        ok, reason = is_supported(weight_block=BLOCK, activation_group=SCALE_BLOCK, capability=capability)
+        return ok, reason or None
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        params = self._get_layer_params(layer)
+        check_block_scales(layer, params.weight_scale if params.weight_scale_inv is None else params.weight_scale_inv)
+
+    def apply_block_scaled_mm(self, A, B, As, Bs):
+        return torch.ops.latentspeed.block_fp8_linear(A, B, Bs)
+
+
+def _our_kernel(method, weight_shape) -> LatentspeedBlockFp8Kernel:
+    """Our GEMM behind vLLM's kernel interface, built directly: vLLM's kernel chooser would
+    pick (and set up) one of its own first."""
+    return LatentspeedBlockFp8Kernel(
+        FP8ScaledMMLinearLayerConfig(
+            weight_quant_key=method.weight_quant_key,
+            activation_quant_key=method.activation_quant_key,
+            weight_shape=weight_shape,
+            input_dtype=method.input_dtype,
+            out_dtype=method.out_dtype,
+        )
+    )
+
+
+@register_weight_loader_v2_supported_method
+class LatentspeedFp8LinearMethod(Fp8LinearMethod):
+    """Serialized block-FP8 linear layers on latentspeed's GEMM: the weight ``[N, K]`` E4M3 and
+    its fp32 scales ``[N/128, K/128]`` under ``scale_name`` (``weight_scale_inv`` in DeepSeek-V3
+    checkpoints, ``weight_scale`` in compressed-tensors ones), sharded by vLLM's loaders."""
+
+    def __init__(self, quant_config: Fp8Config, scale_name: str = "weight_scale_inv"):
+        super().__init__(quant_config)
+        self.scale_name = scale_name
+        self.use_deep_gemm = False  # no UE8M0 requantization; MLA dequantizes kv_b_proj exactly
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, **extra_weight_attrs):
+        weight_loader = extra_weight_attrs.get("weight_loader")
+        layer.logical_widths = output_partition_sizes
+        layer.input_size_per_partition = input_size_per_partition
+        layer.output_size_per_partition = sum(output_partition_sizes)
+        layer.orig_dtype = params_dtype
+        layer.weight_block_size = BLOCK
+        validate_fp8_block_shape(layer, input_size, output_size, input_size_per_partition, output_partition_sizes,
+                                 BLOCK)
+        weight = create_fp8_weight_parameter(layer.output_size_per_partition, input_size_per_partition, weight_loader)
+        layer.register_parameter("weight", weight)
+        scale = create_fp8_scale_parameter(BlockQuantScaleParameter, output_partition_sizes, input_size_per_partition,
+                                           BLOCK, weight_loader)
+        layer.register_parameter(self.scale_name, scale)
+        self.fp8_linear = _our_kernel(self, weight.shape)
+        self.use_marlin = False
+
+
+class LatentspeedOnlineFp8LinearMethod(Fp8PerBlockOnlineLinearMethod):
+    """bf16/fp16 linear layers quantized to 128 x 128 blocks while loading (vLLM's online
+    block quantization), on latentspeed's GEMM."""
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                       params_dtype, **extra_weight_attrs):
+        _Fp8OnlineLinearBase.create_weights(self, layer, input_size_per_partition, output_partition_sizes,
+                                            input_size, output_size, params_dtype, **extra_weight_attrs)
+        layer.weight_block_size = self.weight_block_size
+        self.fp8_linear = _our_kernel(self, layer.weight.shape)
+
+
+def _unsupported_block(block) -> str | None:
+    ok, reason = is_supported(weight_block=tuple(block), activation_group=SCALE_BLOCK)
+    return None if ok else f"{NAME}: this checkpoint's {reason}"
+
+
+class LatentspeedCTConfig(CompressedTensorsConfig):
+    """compressed-tensors checkpoints under ``--quantization latentspeed_fp8``: vLLM's loader and
+    scheme selection (ignore lists, MoE, KV-cache scales), with the FP8 block linear layers on
+    latentspeed's GEMM."""
+
+    def get_name(self) -> str:
+        return NAME
+
+    def get_quant_method(self, layer, prefix):
+        method = super().get_quant_method(layer, prefix)
+        scheme = getattr(layer, "scheme", None)
+        if type(method) is not CompressedTensorsLinearMethod:
+            return method
+        if not isinstance(scheme, CompressedTensorsW8A8Fp8) or scheme.weight_block_size is None:
+            how = "FP8 per tensor or channel" if isinstance(scheme, CompressedTensorsW8A8Fp8) else type(scheme).__name__
+            raise ValueError(f"{NAME}: {prefix} is quantized as {how} in this checkpoint; "
+                             "only FP8 in 128 x 128 blocks is supported")
+        if reason := _unsupported_block(scheme.weight_block_size):
+            raise ValueError(f"{reason} ({prefix})")
+        if scheme.is_static_input_scheme:
+            raise ValueError(f"{NAME}: {prefix} has static activation scales; only dynamic ones are supported")
+        block_config = LatentspeedFp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=BLOCK)
+        return LatentspeedFp8LinearMethod(block_config, scale_name="weight_scale")
+
+
+class LatentspeedFp8Config(Fp8Config):
+    """The ``latentspeed_fp8`` quantization method (module docstring). Built with no arguments
+    (vLLM's way for a checkpoint without a quantization config) it quantizes while loading."""
+
+    def __init__(self, is_checkpoint_fp8_serialized=False, activation_scheme="dynamic", ignored_layers=None,
+                 weight_block_size=None, store_dtype=None):
+        if activation_scheme != "dynamic":
+            raise ValueError(f"{NAME}: activation_scheme {activation_scheme!r} is not supported: "
+                             "activations are quantized dynamically per token and 128 columns")
+        if is_checkpoint_fp8_serialized:
+            if weight_block_size is None:
+                raise ValueError(f"{NAME}: this FP8 checkpoint is per-tensor (no weight_block_size); "
+                                 "only block (128 x 128) FP8 is supported")
+            if reason := _unsupported_block(weight_block_size):
+                raise ValueError(reason)
+        if store_dtype is not None:
+            raise ValueError(f"{NAME}: store_dtype {store_dtype!r} is not supported")
+        super().__init__(is_checkpoint_fp8_serialized, activation_scheme, ignored_layers,
+                         weight_block_size if is_checkpoint_fp8_serialized else None)
+
+    @classmethod
+    def get_name(cls) -> str:
+        return NAME
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 89
+
+    @classmethod
+    def from_config(cls, config: dict):
+        if config.get("quant_method") == "compressed-tensors":
+            return LatentspeedCTConfig.from_config(config)
+        return super().from_config(config)
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
+        claimed = isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") in ("fp8", "compressed-tensors")
+        return NAME if user_quant == NAME and claimed else None
+
+    def get_quant_method(self, layer, prefix):
+        if isinstance(layer, LinearBase) and not self._skipped(prefix):
+            if self.is_checkpoint_fp8_serialized:
+                return LatentspeedFp8LinearMethod(self)
+            return LatentspeedOnlineFp8LinearMethod()
+        if isinstance(layer, RoutedExperts) and not self.is_checkpoint_fp8_serialized and not self._skipped(prefix):
+            return Fp8PerBlockOnlineMoEMethod(layer=layer)
+        return super().get_quant_method(layer, prefix)
+
+    def _skipped(self, prefix: str) -> bool:
+        return is_layer_skipped(prefix, self.ignored_layers, self.packed_modules_mapping)
