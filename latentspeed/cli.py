@@ -74,7 +74,24 @@ def _vllm_components(gpu: dict) -> list[dict]:
                 ok, why = False, "registered; no GPU here to run it"
             label = name if name.endswith("prefill") else f"{name} ({cache_name} cache)"
             rows.append({"component": label, "usable": ok, "why": why or "DeepSeek-V3 MLA shapes supported"})
+    rows.append(_vllm_fp8_method(capability))
     return rows
+
+
+def _vllm_fp8_method(capability) -> dict:
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    from common_kernels.fp8 import SCALE_BLOCK
+    from common_kernels.fp8 import is_supported as fp8_supported
+    from vllm_plugin.fp8 import NAME, LatentspeedFp8Config
+
+    row = {"component": f"vllm --quantization {NAME}"}
+    if get_quantization_config(NAME) is not LatentspeedFp8Config:
+        return {**row, "usable": False, "why": f"another plugin registered {NAME}"}
+    ok, why = fp8_supported(weight_block=(SCALE_BLOCK, SCALE_BLOCK), activation_group=SCALE_BLOCK, capability=capability)
+    if ok and capability is None:
+        ok, why = False, "registered; no GPU here to run it"
+    return {**row, "usable": ok, "why": why or "block FP8 (128 x 128) linear layers"}
 
 
 def _sglang_components(gpu: dict) -> list[dict]:
