@@ -1,12 +1,14 @@
-# Sourced by .ci/main and .ci/test as `source .ci/env.sh ENGINE` (vllm or sglang): a virtualenv
-# with that engine's pins, outside the clone, reused across clones while the pins stay the same;
-# the project itself is reinstalled into it each time.
+# Sourced by .ci/main and .ci/test as `source .ci/env.sh ENV` (vllm, sglang or quantize): a
+# virtualenv with that environment's pins, outside the clone, reused across clones while the pins
+# stay the same; the project itself is reinstalled into it each time. `quantize` is llm-compressor's
+# environment: it pins a newer compressed-tensors than vLLM does.
 set -euo pipefail
 engine=${1:-vllm}
 case $engine in
-  vllm) pins=("vllm==0.26.0" "torch==2.11.0") ;;
-  sglang) pins=("sglang==0.5.17" "torch==2.11.0") ;;
-  *) echo "unknown engine $engine" >&2; exit 2 ;;
+  vllm) pins=("vllm==0.26.0" "torch==2.11.0"); module=vllm ;;
+  sglang) pins=("sglang==0.5.17" "torch==2.11.0"); module=sglang ;;
+  quantize) pins=("llmcompressor==0.14.0" "torch==2.11.0"); module=llmcompressor ;;
+  *) echo "unknown environment $engine" >&2; exit 2 ;;
 esac
 key=$(printf '%s-' "${pins[@]}" | tr -d '=' | sed 's/-$//')
 root=${LATENTSPEED_VENV_ROOT:-$HOME/.cache/latentspeed}
@@ -22,7 +24,7 @@ if [ ! -f "$VENV/.ready" ]; then
   "$python" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${pins[@]}" \
     "setuptools>=77" "pytest>=8" "pytest-timeout>=2.3" 2>&1 | grep -v "^WARNING: Location" || true
-  "$VENV/bin/python" -c "import $engine, torch; assert torch.__version__.startswith('2.11.0')"
+  "$VENV/bin/python" -c "import $module, torch; assert torch.__version__.startswith('2.11.0')"
   touch "$VENV/.ready"
 fi
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation --force-reinstall . \

@@ -3,6 +3,8 @@
     latentspeed info [--json]   versions, GPU, and which latentspeed components are usable here
     latentspeed eval ...        perplexity of a text through vLLM or SGLang with latentspeed's
                                 options, and agreement with the engine's bf16 defaults
+    latentspeed quantize ...    calibrated compressed-tensors checkpoints from llm-compressor
+                                recipes (``--list``), and ``quantize verify`` against the original
     latentspeed demo            on a GPU with vLLM: the tiny DeepSeek-V3 through vLLM with
                                 latentspeed and with FLASHMLA, side by side; without a GPU: one
                                 decode step through the kernels (Triton interpreter) against
@@ -16,6 +18,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from . import quantize_cli
 
 DEEPSEEK_V3_MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 
@@ -211,11 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--max-windows", type=int, default=64)
     ev.add_argument("--top-k", type=int, default=8, help="top log-probs per position (top-1 agreement, KL)")
     ev.add_argument("--json", action="store_true")
+    quantize_cli.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "info":
         return info(args.json)
     if args.command == "eval":
         return evaluate(args)
+    if args.command == "quantize":
+        return quantize_cli.run(args)
     return demo()
 
 

@@ -5,7 +5,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP_LEVEL = ("latentspeed", "common_kernels", "vllm_plugin", "sglang_plugin")
+TOP_LEVEL = ("latentspeed", "common_kernels", "vllm_plugin", "sglang_plugin", "quant_recipes")
 
 
 def test_every_package_is_listed_in_pyproject():

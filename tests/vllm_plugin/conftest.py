@@ -10,10 +10,13 @@ registers custom ops, which no test here calls).
 """
 
 import importlib
+import json
 import sys
+import tempfile
 import types
 
 import pytest
+import torch
 
 vllm = pytest.importorskip("vllm")
 
@@ -30,8 +33,19 @@ try:
 except ImportError:
     sys.modules["vllm._C_stable_libtorch"] = types.ModuleType("vllm._C_stable_libtorch")
 
+from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.distributed import (  # noqa: E402
+    cleanup_dist_env_and_memory,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
 from vllm.platforms.cuda import CudaPlatformBase  # noqa: E402
 from vllm.platforms.interface import DeviceCapability  # noqa: E402
+from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
+
+import vllm_plugin  # noqa: E402
+from tests.vllm_plugin.test_wiring import TINY_DEEPSEEK_V3  # noqa: E402
+from vllm_plugin.fp8 import NAME  # noqa: E402
 
 
 class FakeHopperPlatform(CudaPlatformBase):
@@ -79,3 +93,35 @@ def hopper(monkeypatch):
     FakeHopperPlatform.capability = DeviceCapability(9, 0)
     _cached_get_attn_backend.cache_clear()
     is_pin_memory_available.cache_clear()
+
+
+# --quantization latentspeed_fp8: a vLLM config of the tiny DeepSeek-V3 and a tensor-parallel group of one.
+DEEPSEEK_FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
+
+
+@pytest.fixture
+def hopper_quant(hopper, monkeypatch):
+    """A CUDA platform that lists latentspeed_fp8, as registration does on a real CUDA platform."""
+    vllm_plugin.register()
+    monkeypatch.setattr(CudaPlatformBase, "supported_quantization", [*CudaPlatformBase.supported_quantization, NAME])
+    return hopper
+
+
+def model_config(tmp_path, quant_cfg=None, quantization=NAME) -> ModelConfig:
+    config = dict(TINY_DEEPSEEK_V3, **({"quantization_config": quant_cfg} if quant_cfg else {}))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16", quantization=quantization)
+
+
+@pytest.fixture
+def tp_group(hopper_quant, tmp_path):
+    """A current vLLM config and a tensor-parallel group of one (gloo)."""
+    config = VllmConfig(model_config=model_config(tmp_path, DEEPSEEK_FP8))
+    with set_current_vllm_config(config), set_default_torch_dtype(torch.bfloat16):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{tempfile.mkstemp()[1]}")
+        initialize_model_parallel(1, 1)
+        yield config
+        cleanup_dist_env_and_memory()
+
+

@@ -5,25 +5,19 @@ vLLM's linear layers need a tensor-parallel group (world size 1, gloo) and a cur
 """
 
 import json
-import tempfile
 
 import pytest
 import torch
-from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
-from vllm.distributed import cleanup_dist_env_and_memory, init_distributed_environment, initialize_model_parallel
+from vllm.config import VllmConfig
 from vllm.model_executor.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.quantization.utils.quant_utils import get_and_maybe_dequant_weights
-from vllm.platforms.cuda import CudaPlatformBase
-from vllm.utils.torch_utils import set_default_torch_dtype
 
-import vllm_plugin
 from common_kernels.fp8.reference import block_scaled_gemm_ref, quantize_per_token_group_ref, quantize_weight_blocks_ref
 from common_kernels.guard import fp8_guard
 from tests.helpers import assert_close
-from tests.vllm_plugin.test_wiring import TINY_DEEPSEEK_V3
+from tests.vllm_plugin.conftest import DEEPSEEK_FP8, model_config
 from vllm_plugin.fp8 import NAME, LatentspeedCTConfig, LatentspeedFp8Config, LatentspeedFp8LinearMethod
 
-DEEPSEEK_FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
 # What llm-compressor writes for an FP8 block recipe (compressed-tensors "float-quantized").
 CT_FP8_BLOCK = {
     "quant_method": "compressed-tensors",
@@ -40,20 +34,6 @@ CT_FP8_BLOCK = {
     },
     "ignore": ["lm_head"],
 }
-
-
-@pytest.fixture
-def hopper_quant(hopper, monkeypatch):
-    """A CUDA platform that lists latentspeed_fp8, as registration does on a real CUDA platform."""
-    vllm_plugin.register()
-    monkeypatch.setattr(CudaPlatformBase, "supported_quantization", [*CudaPlatformBase.supported_quantization, NAME])
-    return hopper
-
-
-def model_config(tmp_path, quant_cfg=None, quantization=NAME) -> ModelConfig:
-    config = dict(TINY_DEEPSEEK_V3, **({"quantization_config": quant_cfg} if quant_cfg else {}))
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    return ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16", quantization=quantization)
 
 
 @pytest.mark.parametrize(
@@ -85,18 +65,6 @@ def test_fp8_checkpoints_stay_vllms_unless_asked(hopper_quant, tmp_path):
 def test_unsupported_checkpoints_are_named(hopper_quant, tmp_path, quant_cfg, reason):
     with pytest.raises(ValueError, match=reason):
         VllmConfig(model_config=model_config(tmp_path, quant_cfg))
-
-
-@pytest.fixture
-def tp_group(hopper_quant, tmp_path):
-    """A current vLLM config and a tensor-parallel group of one (gloo)."""
-    config = VllmConfig(model_config=model_config(tmp_path, DEEPSEEK_FP8))
-    with set_current_vllm_config(config), set_default_torch_dtype(torch.bfloat16):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tempfile.mkstemp()[1]}")
-        initialize_model_parallel(1, 1)
-        yield config
-        cleanup_dist_env_and_memory()
 
 
 def load_blocks(layer, shards, scale_name="weight_scale_inv"):

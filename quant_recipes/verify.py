@@ -1,0 +1,80 @@
+"""``latentspeed quantize verify``: a quantized checkpoint against its bf16 reference, on the CPU.
+
+compressed-tensors dequantizes the checkpoint back to bf16 tensors (transformers cannot load
+per-expert quantized tensors into its fused expert modules); both models then run the same
+calibration text in transformers. Reported: each linear layer's (and each expert block's)
+output error ``|y_q - y_ref| / |y_ref|`` on the reference's inputs to that layer, and the KL
+divergence of the next-token distributions, ``KL(reference || quantized)`` per token.
+"""
+
+import tempfile
+
+from . import DEFAULT_CALIBRATION
+from .checkpoint import QuantizeError, read_calibration_texts, read_config, read_model_config
+
+
+def verify(model_dir, reference_dir, calib=None, num_samples: int = 8, max_seq_len: int = 256, log=print) -> dict:
+    import torch
+    from compressed_tensors.entrypoints.convert import convert_checkpoint
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quant_config = read_config(model_dir).get("quantization_config") or {}
+    if quant_config.get("quant_method") != "compressed-tensors":
+        raise QuantizeError(f"{model_dir} is not a compressed-tensors checkpoint")
+    read_model_config(reference_dir)
+    texts, _ = read_calibration_texts(calib or DEFAULT_CALIBRATION)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError):
+        tokenizer = AutoTokenizer.from_pretrained(reference_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        log(f"dequantizing {model_dir} with compressed-tensors")
+        convert_checkpoint(model_dir, tmp, converter=_weight_dequantizer(model_dir), device="cpu")
+        quantized = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16).eval()
+    reference = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.bfloat16).eval()
+    errors: dict[str, list[float]] = {}
+    kls = []
+    quantized_modules = dict(quantized.named_modules())
+
+    def compare(name):
+        def hook(module, args, kwargs, output):
+            with torch.no_grad():
+                other = quantized_modules[name](*args, **kwargs).float()
+            errors.setdefault(name, []).append(((other - output.float()).norm() / output.float().norm().clamp_min(1e-30)).item())
+        return hook
+
+    hooks = [module.register_forward_hook(compare(name), with_kwargs=True)
+             for name, module in reference.named_modules() if _tracked(name, module)]
+    try:
+        for text in texts[:num_samples]:
+            ids = tokenizer(text, truncation=True, max_length=max_seq_len, return_tensors="pt")["input_ids"]
+            with torch.no_grad():
+                ref_logp = torch.log_softmax(reference(input_ids=ids).logits.float(), -1)
+                q_logp = torch.log_softmax(quantized(input_ids=ids).logits.float(), -1)
+            kls.append((ref_logp.exp() * (ref_logp - q_logp)).sum(-1).flatten())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    kl = torch.cat(kls)
+    layers = {name: round(sum(v) / len(v), 6) for name, v in errors.items()}
+    return {"model": str(model_dir), "reference": str(reference_dir), "tokens": int(kl.numel()),
+            "kl_mean": kl.mean().item(), "kl_max": kl.max().item(), "layer_output_rel_error": layers}
+
+
+def _weight_dequantizer(model_dir):
+    """compressed-tensors' dequantizer, dropping activation scales (``input_global_scale`` and
+    the like), which describe no weight and which it would otherwise report as orphans."""
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+
+    class WeightDequantizer(CompressedTensorsDequantizer):
+        def process(self, tensors):
+            tensors = super().process(tensors)
+            return {name: t for name, t in tensors.items() if not name.rpartition(".")[-1].startswith("input_")}
+
+    return WeightDequantizer(model_dir)
+
+
+def _tracked(name: str, module) -> bool:
+    import torch
+
+    return (isinstance(module, torch.nn.Linear) and name != "lm_head") or name.endswith("mlp.experts")

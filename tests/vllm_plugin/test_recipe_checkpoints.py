@@ -1,0 +1,94 @@
+"""The checkpoints latentspeed's recipes write (llm-compressor 0.14, compressed-tensors 0.19), read in
+the engine environment (vLLM 0.26 pins compressed-tensors 0.17): configs parse, every quantized
+weight decodes to the weight the recipe measured, and FP8 block layers run under
+``latentspeed_fp8``.
+
+``.ci/test`` runs tests/quant_recipes first with ``LATENTSPEED_QUANT_CHECKPOINTS`` set; these tests
+read what it left there (and are skipped when the variable is unset, outside CI).
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from compressed_tensors.compressors import BaseCompressor
+from compressed_tensors.quantization import QuantizationConfig
+from safetensors import safe_open
+
+ROOT = os.environ.get("LATENTSPEED_QUANT_CHECKPOINTS")
+pytestmark = pytest.mark.skipif(not ROOT, reason="LATENTSPEED_QUANT_CHECKPOINTS is not set (.ci/test sets it)")
+CHECKPOINTS = sorted(p for p in Path(ROOT).iterdir() if (p / "latentspeed_report.json").exists()) if ROOT else []
+
+
+def test_checkpoints_were_written():
+    recipes = {json.loads((p / "latentspeed_report.json").read_text())["recipe"] for p in CHECKPOINTS}
+    assert {"fp8-block", "fp8-block-kv", "nvfp4", "nvfp4a16", "mxfp4", "mixed"} <= recipes
+
+
+def original_weight(checkpoint: Path, module: str) -> torch.Tensor:
+    """The bf16 weight the recipe started from (the tests save each tiny model beside its outputs)."""
+    model = checkpoint.name.split("-")[0]
+    with safe_open(checkpoint.parent / f"{model}-original" / "model.safetensors", "pt") as f:
+        if f"{module}.weight" in f.keys():
+            return f.get_tensor(f"{module}.weight").float()
+        layer, expert, proj = module.rsplit(".", 2)  # transformers saves fused experts: [E, 2I, H] and [E, H, I]
+        experts = layer.rsplit(".", 1)[0]
+        if proj == "down_proj":
+            return f.get_tensor(f"{experts}.down_proj")[int(expert)].float()
+        gate_up = f.get_tensor(f"{experts}.gate_up_proj")[int(expert)].float()
+        half = gate_up.shape[0] // 2
+        return gate_up[:half] if proj == "gate_proj" else gate_up[half:]
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=lambda p: p.name)
+def test_weights_decode_with_compressed_tensors_0_17(checkpoint):
+    raw = json.loads((checkpoint / "config.json").read_text())["quantization_config"]
+    config = QuantizationConfig.model_validate(raw)
+    report = json.loads((checkpoint / "latentspeed_report.json").read_text())
+    by_scheme = {}
+    for name, layer in report["layers"].items():
+        by_scheme.setdefault(layer["scheme"], name)
+    with safe_open(checkpoint / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+        for module in by_scheme.values():
+            scheme = next(s for s in config.config_groups.values()
+                          if any(f"{module}.{p}" in keys for p in ("weight_packed", "weight")) and _targets(s, module))
+            local = {k.rsplit(".", 1)[1]: f.get_tensor(k) for k in keys if k.rsplit(".", 1)[0] == module}
+            decoded = BaseCompressor.get_value_from_registry(scheme.format).decompress(local, scheme)["weight"].float()
+            original = original_weight(checkpoint, module)
+            error = ((decoded - original).norm() / original.norm()).item()
+            assert error == pytest.approx(report["layers"][module]["rel_error"], abs=2e-3), module
+
+
+def _targets(scheme, module: str) -> bool:
+    from compressed_tensors.utils.match import match_name
+
+    return any(match_name(module, target) for target in scheme.targets)
+
+
+FP8_BLOCK = [p for p in CHECKPOINTS if json.loads((p / "latentspeed_report.json").read_text())["recipe"] == "fp8-block"]
+
+
+@pytest.mark.parametrize("checkpoint", FP8_BLOCK, ids=lambda p: p.name)
+def test_fp8_block_checkpoint_runs_under_latentspeed_fp8(tp_group, checkpoint):
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    from common_kernels.fp8.reference import block_scaled_gemm_ref, quantize_per_token_group_ref
+    from tests.helpers import assert_close
+    from vllm_plugin.fp8 import LatentspeedCTConfig, LatentspeedFp8LinearMethod
+
+    config = LatentspeedCTConfig.from_config(json.loads((checkpoint / "config.json").read_text())["quantization_config"])
+    module = "model.layers.1.self_attn.o_proj"
+    layer = RowParallelLinear(256, 256, bias=False, quant_config=config, prefix=module)
+    assert type(layer.quant_method) is LatentspeedFp8LinearMethod
+    with safe_open(checkpoint / "model.safetensors", "pt") as f:
+        weight, scale = f.get_tensor(f"{module}.weight"), f.get_tensor(f"{module}.weight_scale")
+    layer.weight_loader_v2(layer.weight, weight)
+    layer.weight_loader_v2(layer.weight_scale, scale)
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    a, a_scale = quantize_per_token_group_ref(x)
+    assert_close(layer(x)[0], block_scaled_gemm_ref(a, a_scale, weight, scale.float()), atol=2e-2, rtol=1e-2,
+                 name="o_proj out")
