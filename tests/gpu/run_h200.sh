@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench fp8-bench e2e-bf16 e2e-fp8 (vLLM bundle on
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench fp8-bench e2e-bf16 e2e-fp8 e2e-w8 (vLLM bundle on
 #                                         PYTHONPATH), sglang-e2e-bf16 sglang-e2e-fp8 (SGLang bundle),
 #                                         refmodel (train the reference model; no engine needed)
 # Logs and JSON land in $OUT (the device tool's output folder) or ./gpu-out.
@@ -24,6 +24,9 @@ for step in "$@"; do
     e2e-bf16)
       python3 tests/gpu/vllm_e2e.py --group bf16 --throughput --workdir /tmp/e2e --out "$out/e2e-bf16.json" 2>&1 \
         | tee "$out/e2e-bf16.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
+    e2e-w8)  # block-FP8 weights: latentspeed_fp8 vs vLLM's fp8_per_block (both quantize the bf16 checkpoint)
+      python3 tests/gpu/vllm_e2e.py --group w8 --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-w8.json" 2>&1 \
+        | tee "$out/e2e-w8.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
     e2e-fp8)
       python3 tests/gpu/vllm_e2e.py --group fp8 --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-fp8.json" 2>&1 \
         | tee "$out/e2e-fp8.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;

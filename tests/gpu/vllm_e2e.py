@@ -32,13 +32,17 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 GEN_TOKENS = 64
 ENGINES = {
-    # name: (attention backend, MLA prefill backend, kv-cache dtype)
-    "FLASHMLA-bf16": ("FLASHMLA", None, "auto"),
-    "TRITON_MLA-bf16": ("TRITON_MLA", None, "auto"),
-    "latentspeed-bf16": ("CUSTOM", "CUSTOM", "auto"),
-    "FLASHMLA-fp8": ("FLASHMLA", None, "fp8"),
-    "latentspeed-fp8": ("CUSTOM", "CUSTOM", "fp8"),
-    "latentspeed-fp8_e5m2": ("CUSTOM", "CUSTOM", "fp8_e5m2"),
+    # name: (attention backend, MLA prefill backend, kv-cache dtype, quantization)
+    "FLASHMLA-bf16": ("FLASHMLA", None, "auto", None),
+    "TRITON_MLA-bf16": ("TRITON_MLA", None, "auto", None),
+    "latentspeed-bf16": ("CUSTOM", "CUSTOM", "auto", None),
+    "FLASHMLA-fp8": ("FLASHMLA", None, "fp8", None),
+    "latentspeed-fp8": ("CUSTOM", "CUSTOM", "fp8", None),
+    "latentspeed-fp8_e5m2": ("CUSTOM", "CUSTOM", "fp8_e5m2", None),
+    # Block-FP8 weights quantized while loading the bf16 checkpoint: vLLM's own online block
+    # method (its kernels) against latentspeed_fp8 (ours), each with its engine's attention.
+    "FLASHMLA-w8": ("FLASHMLA", None, "auto", "fp8_per_block"),
+    "latentspeed-w8": ("CUSTOM", "CUSTOM", "auto", "latentspeed_fp8"),
 }
 # (engine that decodes, engine that scores) pairs per group; the first is the floor.
 PAIRS = {
@@ -49,6 +53,9 @@ PAIRS = {
     "fp8": [
         ("FLASHMLA-fp8", "latentspeed-fp8"),
         ("FLASHMLA-bf16", "latentspeed-fp8_e5m2"),
+    ],
+    "w8": [
+        ("FLASHMLA-w8", "latentspeed-w8"),
     ],
 }
 # Floor measured between TRITON_MLA and FLASHMLA (issue #2): mean 0.010, p99 0.21, max 0.53.
@@ -63,9 +70,10 @@ def prompts(seed: int, count: int, low: int, high: int, vocab: int = 4096) -> li
 def make_llm(model: str, engine: str, max_model_len: int):
     from vllm import LLM
 
-    backend, prefill, kv_dtype = ENGINES[engine]
+    backend, prefill, kv_dtype, quantization = ENGINES[engine]
     return LLM(
         model=model,
+        quantization=quantization,
         skip_tokenizer_init=True,
         dtype="bfloat16",
         kv_cache_dtype=kv_dtype,
