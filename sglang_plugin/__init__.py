@@ -3,7 +3,8 @@
 ``register()`` is the ``sglang.srt.plugins`` entry point; SGLang calls it in the launcher
 before parsing arguments and again in every scheduler process. It adds ``latentspeed`` to
 the ``--attention-backend`` choices (also ``--decode-attention-backend`` /
-``--prefill-attention-backend``) and registers the backend factory. The DeepSeek tables are
+``--prefill-attention-backend``) and registers the backend factory, and adds the quantization
+method ``latentspeed_fp8`` (``sglang_plugin/fp8.py``). The DeepSeek tables are
 filled when the factory first runs, in the scheduler, so the launcher never imports models.
 """
 
@@ -12,7 +13,7 @@ _registered = False
 
 
 def register() -> None:
-    """Register latentspeed's attention backend with SGLang; idempotent."""
+    """Register latentspeed's attention backend and FP8 method with SGLang; idempotent."""
     global _registered
     if _registered:
         return
@@ -25,6 +26,9 @@ def register() -> None:
     if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND_NAME])
     register_attention_backend(BACKEND_NAME)(create_backend)
+    from .fp8 import register_quantization
+
+    register_quantization()
     _registered = True
 
 

@@ -41,19 +41,10 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_s
 from vllm.model_executor.parameter import BlockQuantScaleParameter
 from vllm.utils.torch_utils import direct_register_custom_op
 
-from common_kernels.fp8 import SCALE_BLOCK, block_scaled_gemm, is_supported, quantize_per_token_group
-from common_kernels.guard import fp8_guard
+from common_kernels.fp8 import SCALE_BLOCK, block_fp8_linear, check_block_scales, is_supported
 
 NAME = "latentspeed_fp8"
 BLOCK = [SCALE_BLOCK, SCALE_BLOCK]
-
-
-def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """``x [M, K]`` bf16/fp16 times the block-FP8 ``weight [N, K]`` (``weight_scale [N/128, K/128]``):
-    ``x`` is quantized per token and 128 columns (clamped and non-finite values counted by the
-    device's fp8 guard), then multiplied in fp8 with fp32 accumulation. Returns ``[M, N]`` in x's dtype."""
-    a, a_scale = quantize_per_token_group(x.contiguous(), SCALE_BLOCK, stats=fp8_guard(x.device).counters)
-    return block_scaled_gemm(a, a_scale, weight, weight_scale, out_dtype=x.dtype)
 
 
 def _block_fp8_linear_fake(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
@@ -62,22 +53,6 @@ def _block_fp8_linear_fake(x: torch.Tensor, weight: torch.Tensor, weight_scale: 
 
 _LIBRARY = torch.library.Library("latentspeed", "FRAGMENT")  # alive as long as the module
 direct_register_custom_op("block_fp8_linear", block_fp8_linear, fake_impl=_block_fp8_linear_fake, target_lib=_LIBRARY)
-
-
-def check_block_scales(layer: torch.nn.Module, scale: torch.Tensor) -> None:
-    """Refuse a layer whose loaded block scales are missing, mis-shaped or not finite and positive."""
-    name = getattr(layer, "prefix", None) or type(layer).__name__
-    n, k = layer.weight.shape
-    expected = (-(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK))
-    if tuple(scale.shape) != expected or scale.dtype != torch.float32:
-        raise ValueError(f"{NAME}: {name}: weight scales must be fp32 {list(expected)} for a [{n}, {k}] weight "
-                         f"in 128 x 128 blocks, got {scale.dtype} {list(scale.shape)}")
-    if bool((scale == torch.finfo(torch.float32).min).any()):
-        raise ValueError(f"{NAME}: {name}: the checkpoint has no scale for some weight blocks "
-                         "(weight_scale_inv / weight_scale missing or partial)")
-    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
-        bad = int((~torch.isfinite(scale) | (scale <= 0)).sum())
-        raise ValueError(f"{NAME}: {name}: {bad} weight scales are not finite and positive")
 
 
 class LatentspeedBlockFp8Kernel(Fp8BlockScaledMMLinearKernel):
@@ -95,7 +70,8 @@ class LatentspeedBlockFp8Kernel(Fp8BlockScaledMMLinearKernel):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         super().process_weights_after_loading(layer)
         params = self._get_layer_params(layer)
-        check_block_scales(layer, params.weight_scale if params.weight_scale_inv is None else params.weight_scale_inv)
+        scale = params.weight_scale if params.weight_scale_inv is None else params.weight_scale_inv
+        check_block_scales(f"{NAME}: {getattr(layer, 'prefix', None) or type(layer).__name__}", params.weight, scale)
 
     def apply_block_scaled_mm(self, A, B, As, Bs):
         return torch.ops.latentspeed.block_fp8_linear(A, B, Bs)

@@ -1,0 +1,32 @@
+"""A block-FP8 linear layer's forward, as both engines' adapters call it: activations quantized per
+token and 128 columns (``quantize_per_token_group``, counted by the device's fp8 guard), then the
+block-scaled GEMM. And the check of a layer's loaded block scales."""
+
+import torch
+
+from ..guard import fp8_guard
+from .gemm import SCALE_BLOCK, block_scaled_gemm
+from .quant import quantize_per_token_group
+
+
+def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` bf16/fp16 times the block-FP8 ``weight [N, K]`` with fp32 ``weight_scale
+    [cdiv(N, 128), cdiv(K, 128)]``, accumulated in fp32. Returns ``[M, N]`` in x's dtype."""
+    a, a_scale = quantize_per_token_group(x.contiguous(), SCALE_BLOCK, stats=fp8_guard(x.device).counters)
+    return block_scaled_gemm(a, a_scale, weight, weight_scale.float(), out_dtype=x.dtype)
+
+
+def check_block_scales(name: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming ``name`` when its loaded block scales are mis-shaped, missing
+    (engines fill unloaded scales with the most negative fp32) or not finite and positive."""
+    n, k = weight.shape
+    expected = (-(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"{name}: weight scales must be [{expected[0]}, {expected[1]}] for a [{n}, {k}] weight "
+                         f"in 128 x 128 blocks, got {list(scale.shape)}")
+    if bool((scale == torch.finfo(scale.dtype).min).any()):
+        raise ValueError(f"{name}: the checkpoint has no scale for some weight blocks "
+                         "(weight_scale_inv / weight_scale missing or partial)")
+    bad = int((~torch.isfinite(scale) | (scale <= 0)).sum())
+    if bad:
+        raise ValueError(f"{name}: {bad} weight scales are not finite and positive")
