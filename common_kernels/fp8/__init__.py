@@ -1,17 +1,20 @@
 """FP8 kernels: dynamic per-token-group activation quantization and the block-scaled W8A8 GEMM
-(DeepSeek-V3's 128 x 128 / 1 x 128 recipe), each beside its PyTorch reference, and the block-FP8
-linear forward the engine adapters share."""
+(DeepSeek-V3's 128 x 128 / 1 x 128 recipe) and the block-FP8 fused MoE, each beside its PyTorch
+reference, and the block-FP8 linear forward the engine adapters share."""
 
 from .gemm import SCALE_BLOCK, block_scaled_gemm
 from .linear import block_fp8_linear, check_block_scales
+from .moe import append_shared_experts, fused_moe_fp8
 from .quant import quantize_per_token_group
 from .support import is_supported
 
 __all__ = [
     "SCALE_BLOCK",
+    "append_shared_experts",
     "block_fp8_linear",
     "block_scaled_gemm",
     "check_block_scales",
+    "fused_moe_fp8",
     "is_supported",
     "quantize_per_token_group",
 ]

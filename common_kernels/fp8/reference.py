@@ -39,3 +39,19 @@ def quantize_weight_blocks_ref(w: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, b
     scales = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-10) / fp8_max
     q = (tiles / scales[:, None, :, None]).clamp(-fp8_max, fp8_max).to(fp8_dtype).view(nb * block, kb * block)
     return q[:n, :k].contiguous(), scales
+
+
+def fused_moe_fp8_ref(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids) -> torch.Tensor:
+    """Same contract as ``fused_moe_fp8``, one (token, slot) pair at a time."""
+    tokens, top_k = topk_ids.shape
+    out = torch.zeros(tokens, w13.shape[2], dtype=torch.float32, device=x.device)
+    a, a_scale = quantize_per_token_group_ref(x)
+    for t in range(tokens):
+        for j in range(top_k):
+            e = int(topk_ids[t, j])
+            gate_up = block_scaled_gemm_ref(a[t : t + 1], a_scale[t : t + 1], w13[e], w13_scale[e], torch.float32)
+            gate, up = gate_up.chunk(2, dim=-1)
+            h, h_scale = quantize_per_token_group_ref((torch.nn.functional.silu(gate) * up).to(x.dtype))
+            down = block_scaled_gemm_ref(h, h_scale, w2[e], w2_scale[e], torch.float32)
+            out[t] += topk_weights[t, j].float() * down[0]
+    return out.to(x.dtype)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench fp8-bench e2e-bf16 e2e-fp8 e2e-w8 (vLLM bundle on
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench fp8-bench moe-bench e2e-bf16 e2e-fp8 e2e-w8 (vLLM bundle on
 #                                         PYTHONPATH), sglang-e2e-bf16 sglang-e2e-fp8 (SGLang bundle),
 #                                         refmodel (train the reference model; no engine needed)
 # Logs and JSON land in $OUT (the device tool's output folder) or ./gpu-out.
@@ -21,6 +21,8 @@ for step in "$@"; do
       python3 benchmarks/mla_decode.py --out "$out/mla_decode.json" 2>&1 | tee "$out/bench.log" | tail -n 80 ;;
     fp8-bench)
       python3 benchmarks/fp8_gemm.py --out "$out/fp8_gemm.json" 2>&1 | tee "$out/fp8-bench.log" | tail -n 40 ;;
+    moe-bench)
+      python3 benchmarks/fp8_moe.py --out "$out/fp8_moe.json" 2>&1 | tee "$out/moe-bench.log" | tail -n 40 ;;
     e2e-bf16)
       python3 tests/gpu/vllm_e2e.py --group bf16 --throughput --workdir /tmp/e2e --out "$out/e2e-bf16.json" 2>&1 \
         | tee "$out/e2e-bf16.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;

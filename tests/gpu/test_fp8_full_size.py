@@ -24,3 +24,22 @@ def test_block_scaled_gemm_deepseek_shapes(m, n, k):
     # bf16 output rounding (half an ulp: 2^-9 relative) plus fp32 sums over K <= 16384 in another
     # order: near-zero outputs may differ by ~1e-3 of the largest output.
     assert_close(out, expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2, name="gemm")
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 512])
+def test_fused_moe_deepseek_experts(tokens):
+    """32 of DeepSeek-V3's experts (hidden 7168, intermediate 2048), top 8, random routing."""
+    from common_kernels.fp8 import fused_moe_fp8
+    from common_kernels.fp8.reference import fused_moe_fp8_ref
+
+    experts, top_k, hidden, inter = 32, 8, 7168, 2048
+    pairs13 = [quantize_weight_blocks_ref(torch.randn(2 * inter, hidden, device="cuda") * 0.02) for _ in range(experts)]
+    pairs2 = [quantize_weight_blocks_ref(torch.randn(hidden, inter, device="cuda") * 0.02) for _ in range(experts)]
+    w13, s13 = torch.stack([q for q, _ in pairs13]), torch.stack([s for _, s in pairs13])
+    w2, s2 = torch.stack([q for q, _ in pairs2]), torch.stack([s for _, s in pairs2])
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(top_k, dim=-1)
+    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids)
+    rows = min(tokens, 8)  # the reference loops in Python
+    expected = fused_moe_fp8_ref(x[:rows], w13, s13, w2, s2, weights[:rows], ids[:rows])
+    assert_close(out[:rows], expected, atol=2e-2, rtol=2e-2, name="moe")

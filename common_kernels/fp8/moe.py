@@ -1,0 +1,184 @@
+"""Block-FP8 fused mixture of experts (DeepSeek-V3's routed experts, W8A8)::
+
+    out[t] = sum_j  w[t, j] * E_{e[t, j]}(x[t])
+    E_e(x) = W2_e (silu(W1_e x) * (W3_e x)),   W13_e = [W1_e; W3_e]  [2I, H],   W2_e  [H, I]
+
+``W13 [E, 2I, H]`` and ``W2 [E, H, I]`` are E4M3 with one fp32 scale per 128 x 128 block; ``x`` and
+the intermediate are quantized per token and 128 columns before their GEMM (``quantize_per_token_group``).
+Routing comes from the caller (``topk_ids``, ``topk_weights [T, k]``); shared experts are extra
+experts that every token takes (``append_shared_experts``).
+
+Work split: the ``T * k`` (token, slot) pairs are sorted by expert and each expert's run padded to
+``BLOCK_M`` rows (``align_by_expert``, static shapes, so CUDA graphs can capture it), and each
+program multiplies one ``BLOCK_M`` run of one expert by a ``BLOCK_N`` slice of that expert's
+weights, block scales applied per 128-wide K block as in ``block_scaled_gemm``. The first GEMM
+computes the gate and up slices together and stores ``silu(gate) * up`` (bf16) only; the second
+multiplies by the routing weight before the store; the ``k`` slots of a token are summed in fp32.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fp8_format import FP8_DTYPES
+from .gemm import SCALE_BLOCK
+from .quant import quantize_per_token_group
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+BLOCK_M = 16 if _INTERPRET else 64
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
+    """Sort the ``T * k`` (token, slot) pairs by expert, each expert's run padded to ``block_m``.
+
+    Returns ``(sorted_ids [P] int32, block_expert [P // block_m] int32)`` with
+    ``P = T * k + E * (block_m - 1)`` rounded up to ``block_m``: ``sorted_ids`` holds pair indices
+    ``t * k + j`` (``T * k`` marks padding), ``block_expert`` the expert of each run of ``block_m``
+    (``-1`` for blocks past the last run).
+    """
+    pairs = topk_ids.numel()
+    flat = topk_ids.flatten().long()
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(padded, 0) - padded  # first padded row of each expert
+    order = torch.argsort(flat, stable=True)
+    first_of_expert = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(pairs, device=flat.device) - first_of_expert[flat[order]]
+    size = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
+    sorted_ids = torch.full((size,), pairs, dtype=torch.int32, device=flat.device)
+    sorted_ids[starts[flat[order]] + rank] = order.to(torch.int32)
+    block_start = torch.arange(0, size, block_m, device=flat.device)
+    block_expert = torch.searchsorted(torch.cumsum(padded, 0), block_start, right=True).to(torch.int32)
+    block_expert[block_expert >= num_experts] = -1
+    return sorted_ids, block_expert
+
+
+def append_shared_experts(topk_ids: torch.Tensor, topk_weights: torch.Tensor, first_shared: int, num_shared: int,
+                          weight: float = 1.0):
+    """Routing with ``num_shared`` always-taken experts (ids ``first_shared ...``) appended to every
+    token, each weighted ``weight`` -- the shared experts' weights follow the routed ones in W13/W2."""
+    tokens = topk_ids.shape[0]
+    shared = torch.arange(first_shared, first_shared + num_shared, device=topk_ids.device, dtype=topk_ids.dtype)
+    ids = torch.cat([topk_ids, shared.expand(tokens, num_shared)], dim=1)
+    weights = torch.cat([topk_weights, topk_weights.new_full((tokens, num_shared), weight)], dim=1)
+    return ids, weights
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr,
+    num_pairs, N, K, stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
+    ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One ``BLOCK_M`` run of one expert times a ``BLOCK_N`` slice of its weights. ``GATED``: the
+    weights are ``[gate; up]`` (``2N`` rows) and the output is ``silu(gate) * up`` (``N`` columns)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    mask_m = pair < num_pairs
+    row = (pair // ROWS_PER_A).to(tl.int64)  # the A row of each pair: its token, or the pair itself
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    a_rows = a_ptr + row[:, None] * stride_am
+    a_scales = a_scale_ptr + row * stride_asm
+    b_expert = b_ptr + expert * stride_be
+    bs_expert = b_scale_ptr + expert * stride_bse
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        mask_k = kb * BLOCK_K + offs_k < K
+        a = tl.load(a_rows + kb * BLOCK_K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        a_s = tl.load(a_scales + kb, mask=mask_m, other=0.0)
+        acc += _block_dot(a, a_s, b_expert, bs_expert, offs_n, mask_n, offs_k, mask_k, kb, stride_bn, stride_bsn,
+                          BLOCK_K)
+        if GATED:
+            acc_up += _block_dot(a, a_s, b_expert, bs_expert, offs_n + N, mask_n, offs_k, mask_k, kb, stride_bn,
+                                 stride_bsn, BLOCK_K)
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if APPLY_WEIGHT:
+        acc *= tl.load(weights_ptr + pair, mask=mask_m, other=0.0)[:, None]
+    c = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _block_dot(a, a_s, b_expert, bs_expert, rows, mask_rows, offs_k, mask_k, kb, stride_bn, stride_bsn,
+               BLOCK_K: tl.constexpr):
+    """``a @ B[rows, K block kb]^T`` with the activation and weight block scales applied."""
+    b = tl.load(b_expert + rows.to(tl.int64)[:, None] * stride_bn + kb * BLOCK_K + offs_k[None, :],
+                mask=mask_rows[:, None] & mask_k[None, :], other=0.0)
+    b_s = tl.load(bs_expert + (rows // BLOCK_K).to(tl.int64) * stride_bsn + kb, mask=mask_rows, other=0.0)
+    return tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+
+
+def _moe_gemm(a, a_scale, b, b_scale, out, sorted_ids, block_expert, weights, rows_per_a, gated, apply_weight):
+    n, k = out.shape[1], b.shape[2]
+    block_n = 32 if _INTERPRET else 128
+    grid = (block_expert.shape[0], triton.cdiv(n, block_n))
+    _moe_gemm_kernel[grid](
+        a, a_scale, b, b_scale, out, sorted_ids, block_expert, weights, out.shape[0], n, k, a.stride(0),
+        a_scale.stride(0), b.stride(0), b.stride(1), b_scale.stride(0), b_scale.stride(1), out.stride(0),
+        ROWS_PER_A=rows_per_a, GATED=gated, APPLY_WEIGHT=apply_weight,
+        BLOCK_M=sorted_ids.shape[0] // block_expert.shape[0], BLOCK_N=block_n, BLOCK_K=SCALE_BLOCK,
+        num_warps=4, num_stages=1 if _INTERPRET else 3,
+    )
+
+
+def _validate(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be bf16/fp16 [T, H], got {x.dtype} {tuple(x.shape)}")
+    if w13.dtype not in FP8_DTYPES or w2.dtype not in FP8_DTYPES or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"w13 [E, 2I, H] and w2 [E, H, I] must be fp8, got {w13.dtype} {tuple(w13.shape)} and "
+                         f"{w2.dtype} {tuple(w2.shape)}")
+    experts, two_i, hidden = w13.shape
+    if x.shape[1] != hidden or two_i % 2 or w2.shape != (experts, hidden, two_i // 2):
+        raise ValueError(f"shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    for name, w, s in (("w13_scale", w13, w13_scale), ("w2_scale", w2, w2_scale)):
+        expected = (experts, triton.cdiv(w.shape[1], SCALE_BLOCK), triton.cdiv(w.shape[2], SCALE_BLOCK))
+        if tuple(s.shape) != expected or s.dtype != torch.float32:
+            raise ValueError(f"{name} must be fp32 {list(expected)} (128 x 128 blocks), got {s.dtype} {list(s.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids and topk_weights must both be [T, k] with T = {x.shape[0]}, got "
+                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= experts):
+        raise ValueError(f"topk_ids must lie in [0, {experts}), got [{int(topk_ids.min())}, {int(topk_ids.max())}]")
+
+
+def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                  w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  stats: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed experts' output (module docstring).
+
+    Args:
+        x: ``[T, H]`` bf16/fp16 hidden states.
+        w13: ``[E, 2I, H]`` fp8, gate rows then up rows of each expert; ``w13_scale``
+            ``[E, cdiv(2I, 128), cdiv(H, 128)]`` fp32.
+        w2: ``[E, H, I]`` fp8; ``w2_scale`` ``[E, cdiv(H, 128), cdiv(I, 128)]`` fp32.
+        topk_weights: ``[T, k]`` routing weights (any float dtype); ``topk_ids``: ``[T, k]`` expert ids.
+        stats: optional int32 ``[2]`` fp8 guard counters (clamped, non-finite) for the quantizers.
+
+    Returns ``[T, H]`` in x's dtype. Raises ``ValueError`` naming any shape, dtype or id problem.
+    """
+    _validate(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
+    tokens, top_k = topk_ids.shape
+    experts, two_i, hidden = w13.shape
+    out = x.new_zeros(tokens, hidden)
+    if tokens == 0:
+        return out
+    sorted_ids, block_expert = align_by_expert(topk_ids, experts)
+    weights = topk_weights.flatten().float().contiguous()
+    a, a_scale = quantize_per_token_group(x.contiguous(), SCALE_BLOCK, stats=stats)
+    hidden_act = x.new_empty(tokens * top_k, two_i // 2)  # silu(gate) * up, fused into the first GEMM
+    _moe_gemm(a, a_scale, w13, w13_scale, hidden_act, sorted_ids, block_expert, weights, top_k, True, False)
+    h, h_scale = quantize_per_token_group(hidden_act, SCALE_BLOCK, stats=stats)
+    down = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
+    _moe_gemm(h, h_scale, w2, w2_scale, down, sorted_ids, block_expert, weights, 1, False, True)
+    return down.view(tokens, top_k, hidden).sum(1).to(x.dtype)

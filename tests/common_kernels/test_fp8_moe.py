@@ -1,0 +1,71 @@
+"""Block-FP8 fused MoE against its reference: ragged token counts, experts that receive no token,
+a shared expert, and the expert-sorting step on its own. Tolerances: outputs within 2e-2 (abs and
+rel) -- the kernel and the reference round the same bf16 intermediate, but fp32 sums in another
+order can move it by one bf16 ulp before it is quantized again."""
+
+import pytest
+import torch
+
+from common_kernels.fp8.moe import BLOCK_M, align_by_expert, append_shared_experts, fused_moe_fp8
+from common_kernels.fp8.reference import fused_moe_fp8_ref, quantize_weight_blocks_ref
+from tests.helpers import assert_close
+
+
+def expert_weights(experts: int, rows: int, cols: int, std: float):
+    pairs = [quantize_weight_blocks_ref(torch.randn(rows, cols) * std) for _ in range(experts)]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_align_by_expert_places_every_pair_once(tokens):
+    experts, top_k = 6, 2
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    ids[ids == 5] = 4  # expert 5 gets nothing
+    sorted_ids, block_expert = align_by_expert(ids, experts, BLOCK_M)
+    pairs = tokens * top_k
+    real = sorted_ids[sorted_ids < pairs]
+    assert sorted(real.tolist()) == list(range(pairs))
+    for block, expert in enumerate(block_expert.tolist()):
+        members = sorted_ids[block * BLOCK_M : (block + 1) * BLOCK_M]
+        members = members[members < pairs].long()
+        if expert < 0:
+            assert members.numel() == 0
+        else:
+            assert (ids.flatten()[members] == expert).all()
+    assert 5 not in block_expert.tolist()
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_fused_moe_matches_reference(tokens):
+    routed, hidden, inter, top_k = 4, 256, 192, 2  # I = 192: the down GEMM's last K block is partial
+    w13, s13 = expert_weights(routed + 1, 2 * inter, hidden, 0.05)  # the last expert is shared
+    w2, s2 = expert_weights(routed + 1, hidden, inter, 0.05)
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    logits = torch.randn(tokens, routed)
+    logits[:, 3] = -1e9  # expert 3 receives no token
+    weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    ids, weights = append_shared_experts(ids, weights, first_shared=routed, num_shared=1)
+    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids)
+    expected = fused_moe_fp8_ref(x, w13, s13, w2, s2, weights, ids)
+    assert out.shape == (tokens, hidden) and out.dtype == torch.bfloat16
+    assert_close(out, expected, atol=2e-2, rtol=2e-2, name="moe out")
+
+
+def test_nonfinite_activations_are_counted():
+    w13, s13 = expert_weights(2, 256, 128, 0.05)
+    w2, s2 = expert_weights(2, 128, 128, 0.05)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    x[1, 7] = float("inf")
+    stats = torch.zeros(2, dtype=torch.int32)
+    fused_moe_fp8(x, w13, s13, w2, s2, torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.int64), stats=stats)
+    assert stats[1] >= 1
+
+
+def test_bad_routing_is_named():
+    w13, s13 = expert_weights(2, 256, 128, 0.05)
+    w2, s2 = expert_weights(2, 128, 128, 0.05)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 2\)"):
+        fused_moe_fp8(x, w13, s13, w2, s2, torch.ones(3, 1), torch.full((3, 1), 2))
+    with pytest.raises(ValueError, match="w2_scale must be fp32"):
+        fused_moe_fp8(x, w13, s13, w2, s2[:1], torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.int64))
