@@ -5,7 +5,7 @@ reference, and the block-FP8 linear forward the engine adapters share."""
 from .gemm import SCALE_BLOCK, block_scaled_gemm
 from .linear import block_fp8_linear, check_block_scales
 from .moe import append_shared_experts, fused_moe_fp8
-from .quant import quantize_per_token_group
+from .quant import quantize_per_token_group, quantize_weight_blocks
 from .support import is_supported
 
 __all__ = [
@@ -17,4 +17,5 @@ __all__ = [
     "fused_moe_fp8",
     "is_supported",
     "quantize_per_token_group",
+    "quantize_weight_blocks",
 ]

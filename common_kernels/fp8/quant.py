@@ -94,3 +94,54 @@ def quantize_per_token_group(
             TRACK_STATS=stats is not None,
         )
     return q, scales
+
+
+@triton.jit
+def _weight_block_quant_kernel(
+    w_ptr, q_ptr, scale_ptr, stats_ptr, num_rows, num_cols, stride_w, stride_q, stride_s, eps,
+    BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+    TRACK_STATS: tl.constexpr,
+):
+    block_n = tl.program_id(0)
+    block_k = tl.program_id(1)
+    rows = (block_n * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    cols = block_k * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
+    w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(w), 1), 0), eps), FP8_MAX)
+    y = round_to_fp8_grid(tl.minimum(tl.maximum(tl.math.div_rn(w, scale), -FP8_MAX), FP8_MAX), MANT_BITS, MIN_EXP)
+    tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + block_n * stride_s + block_k, scale)
+    if TRACK_STATS:
+        nonfinite = tl.sum(tl.sum(((w != w) | (tl.abs(w) == float("inf"))).to(tl.int32), 1), 0)
+        tl.atomic_add(stats_ptr + 1, nonfinite)
+
+
+def quantize_weight_blocks(
+    w: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, block: int = 128, eps: float = 1e-10,
+    stats: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a weight ``[N, K]`` to fp8 with one scale per ``block x block`` tile::
+
+        s[i, j] = max(amax(tile i, j), eps) / fp8_max,   q = fp8(w / s)
+
+    Returns ``(q [N, K], s [cdiv(N, block), cdiv(K, block)] fp32)``: DeepSeek-V3's ``weight`` /
+    ``weight_scale_inv`` layout, which ``block_scaled_gemm`` reads. Non-finite weights are counted
+    into ``stats[1]`` when given (and make their tile's scale non-finite).
+    """
+    if w.dim() != 2 or w.stride(-1) != 1:
+        raise ValueError(f"w must be a 2-D weight with a contiguous last dim, got {tuple(w.shape)}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block {block} is not supported: a power of two >= 16 is")
+    mant_bits, min_exp, fp8_max = fp8_grid(fp8_dtype)
+    rows, cols = w.shape
+    grid = (triton.cdiv(rows, block), triton.cdiv(cols, block))
+    q = torch.empty(rows, cols, dtype=fp8_dtype, device=w.device)
+    scales = torch.empty(grid, dtype=torch.float32, device=w.device)
+    if rows and cols:
+        _weight_block_quant_kernel[grid](
+            w, q, scales, stats if stats is not None else scales, rows, cols, w.stride(0), q.stride(0),
+            scales.stride(0), eps, BLOCK=block, FP8_MAX=fp8_max, MANT_BITS=mant_bits, MIN_EXP=min_exp,
+            TRACK_STATS=stats is not None,
+        )
+    return q, scales

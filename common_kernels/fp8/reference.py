@@ -29,14 +29,14 @@ def block_scaled_gemm_ref(a, a_scale, b, b_scale, out_dtype=torch.bfloat16, bloc
 
 
 def quantize_weight_blocks_ref(w: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, block: int = 128):
-    """``[N, K]`` weights as fp8 with one scale per ``block x block`` tile (DeepSeek-V3's
-    ``weight_scale_inv`` layout ``[cdiv(N, block), cdiv(K, block)]``)."""
+    """Same contract as ``quantize_weight_blocks``."""
     _, _, fp8_max = fp8_grid(fp8_dtype)
     n, k = w.shape
     nb, kb = -(-n // block), -(-k // block)
     padded = torch.nn.functional.pad(w.float(), (0, kb * block - k, 0, nb * block - n))
     tiles = padded.view(nb, block, kb, block)
-    scales = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-10) / fp8_max
+    amax = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-10)
+    scales = amax / torch.full_like(amax, fp8_max)  # a tensor divisor (see quantize_per_token_group_ref)
     q = (tiles / scales[:, None, :, None]).clamp(-fp8_max, fp8_max).to(fp8_dtype).view(nb * block, kb * block)
     return q[:n, :k].contiguous(), scales
 

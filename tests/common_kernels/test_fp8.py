@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from common_kernels.fp8 import block_scaled_gemm, quantize_per_token_group
+from common_kernels.fp8 import block_scaled_gemm, quantize_per_token_group, quantize_weight_blocks
 from common_kernels.fp8.reference import block_scaled_gemm_ref, quantize_per_token_group_ref, quantize_weight_blocks_ref
 from tests.helpers import assert_close, device
 
@@ -31,6 +31,25 @@ def test_group_quant_counts_nonfinite_inputs():
     _, scales = quantize_per_token_group(x, 128, stats=stats)
     assert stats.tolist() == [0, 2]
     assert not torch.isfinite(scales[2, 1]) and torch.isfinite(scales[1]).all()
+
+
+@pytest.mark.parametrize("fp8_name", FP8.keys())
+@pytest.mark.parametrize("shape", [(256, 256), (300, 200), (64, 130)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_weight_block_quant_matches_reference(fp8_name, shape):
+    """Ragged shapes: the last row and column tiles are partial."""
+    w = (torch.randn(shape, device=device()) * torch.logspace(-2, 2, shape[1], device=device())).bfloat16()
+    q, scales = quantize_weight_blocks(w, FP8[fp8_name])
+    q_ref, scales_ref = quantize_weight_blocks_ref(w, FP8[fp8_name])
+    assert_close(scales, scales_ref, atol=0, rtol=0, name="block scales")
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), "fp8 codes differ from the reference"
+
+
+def test_weight_block_quant_counts_nonfinite_weights():
+    w = torch.randn(256, 256, device=device())
+    w[3, 200] = float("inf")
+    stats = torch.zeros(2, dtype=torch.int32, device=device())
+    _, scales = quantize_weight_blocks(w, stats=stats)
+    assert stats.tolist() == [0, 1] and not torch.isfinite(scales[0, 1]) and torch.isfinite(scales[1]).all()
 
 
 @pytest.mark.parametrize("m", [1, 7, 33])
