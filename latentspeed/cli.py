@@ -85,17 +85,22 @@ def _vllm_components(gpu: dict) -> list[dict]:
 def _vllm_fp8_method(capability) -> dict:
     from vllm.model_executor.layers.quantization import get_quantization_config
 
-    from common_kernels.fp8 import SCALE_BLOCK
-    from common_kernels.fp8 import is_supported as fp8_supported
     from vllm_plugin.fp8 import NAME, LatentspeedFp8Config
 
-    row = {"component": f"vllm --quantization {NAME}"}
-    if get_quantization_config(NAME) is not LatentspeedFp8Config:
-        return {**row, "usable": False, "why": f"another plugin registered {NAME}"}
+    return _fp8_method_row(f"vllm --quantization {NAME}", get_quantization_config(NAME) is LatentspeedFp8Config,
+                           capability)
+
+
+def _fp8_method_row(component: str, registered: bool, capability) -> dict:
+    from common_kernels.fp8 import SCALE_BLOCK
+    from common_kernels.fp8 import is_supported as fp8_supported
+
+    if not registered:
+        return {"component": component, "usable": False, "why": "another plugin registered the name"}
     ok, why = fp8_supported(weight_block=(SCALE_BLOCK, SCALE_BLOCK), activation_group=SCALE_BLOCK, capability=capability)
     if ok and capability is None:
         ok, why = False, "registered; no GPU here to run it"
-    return {**row, "usable": ok, "why": why or "block FP8 (128 x 128) linear layers"}
+    return {"component": component, "usable": ok, "why": why or "block FP8 (128 x 128) linear layers"}
 
 
 def _sglang_components(gpu: dict) -> list[dict]:
@@ -121,7 +126,14 @@ def _sglang_components(gpu: dict) -> list[dict]:
                            block_size=64, **DEEPSEEK_V3_MLA)
     if ok and capability is None:
         ok, why = False, "registered; no GPU here to run it"
-    return [{"component": name, "usable": ok, "why": why or "DeepSeek-V3 MLA shapes supported (--page-size 16/32/64)"}]
+    rows = [{"component": name, "usable": ok, "why": why or "DeepSeek-V3 MLA shapes supported (--page-size 16/32/64)"}]
+    from sglang.srt.layers.quantization import QUANTIZATION_METHODS
+
+    from sglang_plugin.fp8 import NAME, LatentspeedFp8Config
+
+    rows.append(_fp8_method_row(f"sglang --quantization {NAME}", QUANTIZATION_METHODS.get(NAME) is LatentspeedFp8Config,
+                                capability))
+    return rows
 
 
 def info(as_json: bool) -> int:
