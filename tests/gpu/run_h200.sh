@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
 #   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench fp8-bench moe-bench e2e-bf16 e2e-fp8 e2e-w8 (vLLM bundle on
-#                                         PYTHONPATH), sglang-e2e-bf16 sglang-e2e-fp8 (SGLang bundle),
+#                                         PYTHONPATH), sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8 (SGLang bundle),
 #                                         refmodel (train the reference model; no engine needed)
 # Logs and JSON land in $OUT (the device tool's output folder) or ./gpu-out.
 set -uo pipefail
@@ -34,7 +34,7 @@ for step in "$@"; do
         | tee "$out/e2e-fp8.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
     refmodel)  # its 8 files are all one call may bring back: run it alone
       python3 -m benchmarks.reference_model.train --out "$out/refmodel" 2>&1 | tail -n 20 ;;
-    sglang-e2e-bf16|sglang-e2e-fp8)
+    sglang-e2e-bf16|sglang-e2e-fp8|sglang-e2e-w8)
       group=${step#sglang-e2e-}
       python3 tests/gpu/sglang_e2e.py --group "$group" --throughput --reuse --workdir /tmp/e2e-sglang \
         --out "$out/$step.json" 2>&1 | tee "$out/$step.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;

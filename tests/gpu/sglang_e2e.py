@@ -17,14 +17,17 @@ from pathlib import Path
 from vllm_e2e import GEN_TOKENS, driver, parse_args, prompts
 
 ENGINES = {
-    # name: (attention backend, kv-cache dtype, page size; None keeps SGLang's default)
-    "flashinfer-bf16": ("flashinfer", "auto", None),
-    "triton-bf16": ("triton", "auto", None),
-    "flashmla-bf16": ("flashmla", "auto", 64),
-    "latentspeed-bf16": ("latentspeed", "auto", 64),
-    "flashinfer-fp8_e4m3": ("flashinfer", "fp8_e4m3", None),
-    "latentspeed-fp8_e4m3": ("latentspeed", "fp8_e4m3", 64),
-    "latentspeed-fp8_e5m2": ("latentspeed", "fp8_e5m2", 64),
+    # name: (attention backend, kv-cache dtype, page size (None keeps SGLang's default), quantization)
+    "flashinfer-bf16": ("flashinfer", "auto", None, None),
+    "triton-bf16": ("triton", "auto", None, None),
+    "flashmla-bf16": ("flashmla", "auto", 64, None),
+    "latentspeed-bf16": ("latentspeed", "auto", 64, None),
+    "flashinfer-fp8_e4m3": ("flashinfer", "fp8_e4m3", None, None),
+    "latentspeed-fp8_e4m3": ("latentspeed", "fp8_e4m3", 64, None),
+    "latentspeed-fp8_e5m2": ("latentspeed", "fp8_e5m2", 64, None),
+    # FP8 weights quantized from the bf16 checkpoint: SGLang's fp8 (per-channel) against latentspeed_fp8 (blocks).
+    "flashinfer-w8": ("flashinfer", "auto", None, "fp8"),
+    "latentspeed-w8": ("latentspeed", "auto", 64, "latentspeed_fp8"),
 }
 PAIRS = {
     "bf16": [
@@ -36,6 +39,9 @@ PAIRS = {
         ("flashinfer-fp8_e4m3", "latentspeed-fp8_e4m3"),
         ("flashinfer-bf16", "latentspeed-fp8_e5m2"),
     ],
+    "w8": [
+        ("flashinfer-w8", "latentspeed-w8"),
+    ],
 }
 
 
@@ -46,9 +52,10 @@ def is_floor(engine: str) -> bool:
 def make_engine(model: str, engine: str):
     import sglang as sgl
 
-    backend, kv_dtype, page_size = ENGINES[engine]
+    backend, kv_dtype, page_size, quantization = ENGINES[engine]
     return sgl.Engine(
         model_path=model,
+        quantization=quantization,
         skip_tokenizer_init=True,
         attention_backend=backend,
         kv_cache_dtype=kv_dtype,
