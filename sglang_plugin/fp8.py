@@ -15,8 +15,7 @@ from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import
 from sglang.srt.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A8Fp8
 from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
 
-from common_kernels.fp8 import SCALE_BLOCK, block_fp8_linear, check_block_scales, is_supported, quantize_weight_blocks
-from common_kernels.guard import fp8_guard
+from common_kernels.fp8 import SCALE_BLOCK, block_fp8_linear, check_block_scales, is_supported, quantize_linear_weight
 
 NAME = "latentspeed_fp8"
 BLOCK = [SCALE_BLOCK, SCALE_BLOCK]
@@ -51,7 +50,7 @@ class LatentspeedFp8LinearMethod(Fp8LinearMethod):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         name = f"{NAME}: {getattr(layer, 'prefix', None) or type(layer).__name__}"
         if not self.block_quant:  # a bf16 checkpoint
-            weight, scale = quantize_weight_blocks(layer.weight.data, stats=fp8_guard(layer.weight.device).counters)
+            weight, scale = quantize_linear_weight(name, layer.weight.data)
             layer.weight = torch.nn.Parameter(weight, requires_grad=False)
             layer.weight_scale_inv = torch.nn.Parameter(scale, requires_grad=False)
             self.block_quant, self.weight_block_size = True, BLOCK

@@ -8,7 +8,7 @@ Checkpoints it loads:
   ``weight_scale_inv``), claimed from vLLM's ``fp8`` method when the user asks for ours;
 - compressed-tensors FP8 block (``float-quantized``, strategy ``block``, ``weight_scale``), as
   llm-compressor writes them, claimed from ``compressed-tensors`` likewise;
-- bf16/fp16, quantized to 128 x 128 blocks while loading.
+- bf16/fp16, quantized to 128 x 128 blocks while loading (latentspeed's quantizer).
 
 vLLM's own classes load and shard the weights; only the linear layers' GEMM is swapped for
 ours (``LatentspeedBlockFp8Kernel``). MoE experts and KV-cache scales stay vLLM's block-FP8
@@ -39,9 +39,10 @@ from vllm.model_executor.layers.quantization.utils.fp8_utils import (
 )
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 from vllm.model_executor.parameter import BlockQuantScaleParameter
+from vllm.model_executor.utils import replace_parameter
 from vllm.utils.torch_utils import direct_register_custom_op
 
-from common_kernels.fp8 import SCALE_BLOCK, block_fp8_linear, check_block_scales, is_supported
+from common_kernels.fp8 import SCALE_BLOCK, block_fp8_linear, check_block_scales, is_supported, quantize_linear_weight
 
 NAME = "latentspeed_fp8"
 BLOCK = [SCALE_BLOCK, SCALE_BLOCK]
@@ -122,8 +123,9 @@ class LatentspeedFp8LinearMethod(Fp8LinearMethod):
 
 
 class LatentspeedOnlineFp8LinearMethod(Fp8PerBlockOnlineLinearMethod):
-    """bf16/fp16 linear layers quantized to 128 x 128 blocks while loading (vLLM's online
-    block quantization), on latentspeed's GEMM."""
+    """bf16/fp16 linear layers quantized to 128 x 128 blocks as soon as vLLM's online loading has
+    all their shards, by latentspeed's quantizer (as in SGLang; non-finite weights are refused),
+    on latentspeed's GEMM."""
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, **extra_weight_attrs):
@@ -131,6 +133,17 @@ class LatentspeedOnlineFp8LinearMethod(Fp8PerBlockOnlineLinearMethod):
                                             input_size, output_size, params_dtype, **extra_weight_attrs)
         layer.weight_block_size = self.weight_block_size
         self.fp8_linear = _our_kernel(self, layer.weight.shape)
+
+    def process_weights_after_loading(self, layer) -> None:
+        if getattr(layer, "_already_called_process_weights_after_loading", False):  # vLLM's reload guard
+            return
+        layer.input_scale = None
+        name = f"{NAME}: {getattr(layer, 'prefix', None) or type(layer).__name__}"
+        weight, scale = quantize_linear_weight(name, layer.weight)
+        replace_parameter(layer, "weight", weight)
+        replace_parameter(layer, "weight_scale_inv", scale)
+        self.fp8_linear.process_weights_after_loading(layer)
+        layer._already_called_process_weights_after_loading = True
 
 
 def _unsupported_block(block) -> str | None:

@@ -3,7 +3,7 @@
 reference, and the block-FP8 linear forward the engine adapters share."""
 
 from .gemm import SCALE_BLOCK, block_scaled_gemm
-from .linear import block_fp8_linear, check_block_scales
+from .linear import block_fp8_linear, check_block_scales, quantize_linear_weight
 from .moe import append_shared_experts, fused_moe_fp8
 from .quant import quantize_per_token_group, quantize_weight_blocks
 from .support import is_supported
@@ -16,6 +16,7 @@ __all__ = [
     "check_block_scales",
     "fused_moe_fp8",
     "is_supported",
+    "quantize_linear_weight",
     "quantize_per_token_group",
     "quantize_weight_blocks",
 ]

@@ -1,12 +1,13 @@
-"""A block-FP8 linear layer's forward, as both engines' adapters call it: activations quantized per
-token and 128 columns (``quantize_per_token_group``, counted by the device's fp8 guard), then the
-block-scaled GEMM. And the check of a layer's loaded block scales."""
+"""A block-FP8 linear layer as both engines' adapters use it: the forward (activations quantized per
+token and 128 columns by ``quantize_per_token_group``, counted by the device's fp8 guard, then the
+block-scaled GEMM), the check of a layer's loaded block scales, and load-time quantization of a
+bf16 weight."""
 
 import torch
 
 from ..guard import fp8_guard
 from .gemm import SCALE_BLOCK, block_scaled_gemm
-from .quant import quantize_per_token_group
+from .quant import quantize_per_token_group, quantize_weight_blocks
 
 
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
@@ -30,3 +31,15 @@ def check_block_scales(name: str, weight: torch.Tensor, scale: torch.Tensor) -> 
     bad = int((~torch.isfinite(scale) | (scale <= 0)).sum())
     if bad:
         raise ValueError(f"{name}: {bad} weight scales are not finite and positive")
+
+
+def quantize_linear_weight(name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bf16/fp16 linear weight ``[N, K]`` quantized to 128 x 128 blocks at load time
+    (``quantize_weight_blocks``); raises ``ValueError`` naming ``name`` if the checkpoint holds
+    non-finite weights, which would otherwise turn whole blocks of outputs into NaN."""
+    stats = torch.zeros(2, dtype=torch.int32, device=weight.device)
+    q, scale = quantize_weight_blocks(weight.contiguous(), block=SCALE_BLOCK, stats=stats)
+    nonfinite = int(stats[1])
+    if nonfinite:
+        raise ValueError(f"{name}: the checkpoint holds {nonfinite} non-finite weights")
+    return q, scale

@@ -139,3 +139,14 @@ def test_bad_scales_are_named(bad):
     reason = "no scale for some weight blocks" if bad == "missing" else "not finite and positive"
     with pytest.raises(ValueError, match=f"{NAME}: .*{reason}"):
         layer.quant_method.process_weights_after_loading(layer)
+
+
+def test_bf16_checkpoint_with_nonfinite_weights_is_refused():
+    with get_parallel().override(tp_size=1, tp_rank=0):
+        layer = ColumnParallelLinear(256, 128, bias=False, quant_config=LatentspeedFp8Config(),
+                                     params_dtype=torch.bfloat16, prefix="model.layers.0.mlp.up_proj")
+    weight = torch.randn(128, 256, dtype=torch.bfloat16)
+    weight[0, 0] = float("inf")
+    layer.weight.weight_loader(layer.weight, weight)
+    with pytest.raises(ValueError, match=f"{NAME}: .*the checkpoint holds 1 non-finite weights"):
+        layer.quant_method.process_weights_after_loading(layer)

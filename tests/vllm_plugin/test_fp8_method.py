@@ -191,3 +191,12 @@ def test_bf16_checkpoint_is_quantized_while_loading(tp_group):
     assert_close(out, reference(x, layer.weight, layer.weight_scale_inv), atol=2e-2, rtol=1e-2, name="online out")
     rel = ((out.float() - x.float() @ dense.T).norm() / (x.float() @ dense.T).norm()).item()
     assert rel < 0.05, f"block-fp8 layer is {rel:.3f} away from the bf16 layer"
+
+
+def test_bf16_checkpoint_with_nonfinite_weights_is_refused(tp_group):
+    layer = ColumnParallelLinear(256, 128, bias=False, quant_config=LatentspeedFp8Config(),
+                                 prefix="model.layers.0.mlp.up_proj")
+    weight = torch.randn(128, 256, dtype=torch.bfloat16)
+    weight[5, 7] = float("nan")
+    with pytest.raises(ValueError, match=f"{NAME}: model.layers.0.mlp.up_proj: the checkpoint holds 1 non-finite"):
+        layer.weight.weight_loader(layer.weight, weight)
