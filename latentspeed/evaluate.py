@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from .metrics import Position, agreement, perplexity
+from .text_input import read_utf8
 
 CHUNK = 16  # windows per engine call: one progress-bar step
 
@@ -34,14 +35,7 @@ def load_windows(model_dir: str, text_file: str, window: int, max_windows: int) 
         tokenizer = AutoTokenizer.from_pretrained(model)
     except Exception as err:  # transformers raises many types; the user needs the reason
         raise ValueError(f"{model_dir} is not loadable: {type(err).__name__}: {err}") from err
-    path = Path(text_file)
-    if not path.is_file():
-        raise ValueError(f"{text_file} does not exist")
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{text_file} is not UTF-8 (byte {err.start}: {raw[err.start:err.start + 1]!r})") from err
+    text, _ = read_utf8(text_file, "text file")
     if not text.strip():
         raise ValueError(f"{text_file} is empty")
     ids = tokenizer(text, add_special_tokens=False).input_ids

@@ -4,6 +4,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from latentspeed.text_input import read_utf8
+
 # Architectures whose module names the recipes' regexes are written for.
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -49,13 +51,10 @@ def read_calibration_texts(path: str | Path) -> tuple[list[str], str]:
     """Texts of a ``.jsonl`` (one object with ``"text"`` per line) or plain-text file (paragraphs
     separated by blank lines), and the file's sha256."""
     path = Path(path)
-    if not path.is_file():
-        raise QuantizeError(f"calibration file {path} does not exist")
-    raw = path.read_bytes()
     try:
-        content = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise QuantizeError(f"calibration file {path} is not UTF-8 text ({err})") from err
+        content, raw = read_utf8(path, "calibration file")
+    except ValueError as err:
+        raise QuantizeError(str(err)) from err
     if path.suffix == ".jsonl":
         texts = []
         for number, line in enumerate(content.splitlines(), 1):

@@ -15,7 +15,13 @@ from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import
 from sglang.srt.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A8Fp8
 from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
 
-from common_kernels.fp8 import SCALE_BLOCK, block_fp8_linear, check_block_scales, is_supported, quantize_linear_weight
+from common_kernels.fp8 import (
+    SCALE_BLOCK,
+    block_fp8_linear,
+    check_block_scales,
+    check_checkpoint_scheme,
+    quantize_linear_weight,
+)
 
 NAME = "latentspeed_fp8"
 BLOCK = [SCALE_BLOCK, SCALE_BLOCK]
@@ -30,12 +36,6 @@ def block_linear(input, weight, block_size, weight_scale, input_scale=None, bias
     if bias is not None:
         out = out + bias
     return out.view(*input.shape[:-1], weight.shape[0])
-
-
-def _check_block(block) -> None:
-    ok, reason = is_supported(weight_block=tuple(block), activation_group=SCALE_BLOCK)
-    if not ok:
-        raise ValueError(f"{NAME}: this checkpoint's {reason}")
 
 
 class LatentspeedFp8LinearMethod(Fp8LinearMethod):
@@ -64,9 +64,7 @@ class LatentspeedCTW8A8Fp8(CompressedTensorsW8A8Fp8):
 
     def __init__(self, weight_quant, is_static_input_scheme):
         super().__init__(weight_quant, is_static_input_scheme)
-        if is_static_input_scheme:
-            raise ValueError(f"{NAME}: static activation scales are not supported; dynamic ones are")
-        _check_block(self.weight_block_size)
+        check_checkpoint_scheme(NAME, True, "static" if is_static_input_scheme else "dynamic", self.weight_block_size)
         self.w8a8_block_fp8_linear = block_linear
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
@@ -96,14 +94,7 @@ class LatentspeedFp8Config(Fp8Config):
 
     def __init__(self, is_checkpoint_fp8_serialized=False, activation_scheme="dynamic", ignored_layers=None,
                  weight_block_size=None, **kwargs):
-        if activation_scheme != "dynamic":
-            raise ValueError(f"{NAME}: activation_scheme {activation_scheme!r} is not supported: activations are "
-                             "quantized dynamically per token and 128 columns")
-        if is_checkpoint_fp8_serialized:
-            if weight_block_size is None:
-                raise ValueError(f"{NAME}: this FP8 checkpoint is per-tensor (no weight_block_size); "
-                                 "only block (128 x 128) FP8 is supported")
-            _check_block(weight_block_size)
+        check_checkpoint_scheme(NAME, is_checkpoint_fp8_serialized, activation_scheme, weight_block_size)
         super().__init__(is_checkpoint_fp8_serialized, activation_scheme, ignored_layers, weight_block_size, **kwargs)
 
     def get_name(self) -> str:

@@ -42,7 +42,14 @@ from vllm.model_executor.parameter import BlockQuantScaleParameter
 from vllm.model_executor.utils import replace_parameter
 from vllm.utils.torch_utils import direct_register_custom_op
 
-from common_kernels.fp8 import SCALE_BLOCK, block_fp8_linear, check_block_scales, is_supported, quantize_linear_weight
+from common_kernels.fp8 import (
+    SCALE_BLOCK,
+    block_fp8_linear,
+    check_block_scales,
+    check_checkpoint_scheme,
+    is_supported,
+    quantize_linear_weight,
+)
 
 NAME = "latentspeed_fp8"
 BLOCK = [SCALE_BLOCK, SCALE_BLOCK]
@@ -146,11 +153,6 @@ class LatentspeedOnlineFp8LinearMethod(Fp8PerBlockOnlineLinearMethod):
         layer._already_called_process_weights_after_loading = True
 
 
-def _unsupported_block(block) -> str | None:
-    ok, reason = is_supported(weight_block=tuple(block), activation_group=SCALE_BLOCK)
-    return None if ok else f"{NAME}: this checkpoint's {reason}"
-
-
 class LatentspeedCTConfig(CompressedTensorsConfig):
     """compressed-tensors checkpoints under ``--quantization latentspeed_fp8``: vLLM's loader and
     scheme selection (ignore lists, MoE, KV-cache scales), with the FP8 block linear layers on
@@ -168,10 +170,8 @@ class LatentspeedCTConfig(CompressedTensorsConfig):
             how = "FP8 per tensor or channel" if isinstance(scheme, CompressedTensorsW8A8Fp8) else type(scheme).__name__
             raise ValueError(f"{NAME}: {prefix} is quantized as {how} in this checkpoint; "
                              "only FP8 in 128 x 128 blocks is supported")
-        if reason := _unsupported_block(scheme.weight_block_size):
-            raise ValueError(f"{reason} ({prefix})")
-        if scheme.is_static_input_scheme:
-            raise ValueError(f"{NAME}: {prefix} has static activation scales; only dynamic ones are supported")
+        check_checkpoint_scheme(f"{NAME}: {prefix}", True, "static" if scheme.is_static_input_scheme else "dynamic",
+                                scheme.weight_block_size)
         block_config = LatentspeedFp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=BLOCK)
         return LatentspeedFp8LinearMethod(block_config, scale_name="weight_scale")
 
@@ -182,15 +182,7 @@ class LatentspeedFp8Config(Fp8Config):
 
     def __init__(self, is_checkpoint_fp8_serialized=False, activation_scheme="dynamic", ignored_layers=None,
                  weight_block_size=None, store_dtype=None):
-        if activation_scheme != "dynamic":
-            raise ValueError(f"{NAME}: activation_scheme {activation_scheme!r} is not supported: "
-                             "activations are quantized dynamically per token and 128 columns")
-        if is_checkpoint_fp8_serialized:
-            if weight_block_size is None:
-                raise ValueError(f"{NAME}: this FP8 checkpoint is per-tensor (no weight_block_size); "
-                                 "only block (128 x 128) FP8 is supported")
-            if reason := _unsupported_block(weight_block_size):
-                raise ValueError(reason)
+        check_checkpoint_scheme(NAME, is_checkpoint_fp8_serialized, activation_scheme, weight_block_size)
         if store_dtype is not None:
             raise ValueError(f"{NAME}: store_dtype {store_dtype!r} is not supported")
         super().__init__(is_checkpoint_fp8_serialized, activation_scheme, ignored_layers,

@@ -22,3 +22,19 @@ def is_supported(
     if capability is not None and tuple(capability) < MIN_CAPABILITY:
         return False, f"fp8 GEMMs need compute capability 8.9 or newer (this GPU has {capability[0]}.{capability[1]})"
     return True, ""
+
+
+def check_checkpoint_scheme(method: str, serialized: bool, activation_scheme: str, weight_block) -> None:
+    """Raise ``ValueError`` (prefixed with ``method``) unless a checkpoint's FP8 scheme is what the
+    kernels run: dynamic activations and, for FP8-serialized weights, 128 x 128 blocks."""
+    if activation_scheme != "dynamic":
+        raise ValueError(f"{method}: activation_scheme {activation_scheme!r} is not supported: activations are "
+                         "quantized dynamically per token and 128 columns")
+    if not serialized:
+        return
+    if weight_block is None:
+        raise ValueError(f"{method}: this FP8 checkpoint is per-tensor (no weight_block_size); only block "
+                         "(128 x 128) FP8 is supported")
+    ok, reason = is_supported(weight_block=tuple(weight_block), activation_group=SCALE_BLOCK)
+    if not ok:
+        raise ValueError(f"{method}: this checkpoint's {reason}")
