@@ -68,9 +68,8 @@ def quantize(model_dir, recipe_name: str, out_dir, calib=None, num_samples: int 
         model.save_pretrained(out, save_compressed=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(out)
-        for extra in ("generation_config.json",):
-            if (Path(model_dir) / extra).exists():
-                shutil.copy(Path(model_dir) / extra, out / extra)
+        if (Path(model_dir) / "generation_config.json").exists():
+            shutil.copy(Path(model_dir) / "generation_config.json", out / "generation_config.json")
     report = {
         "recipe": recipe.name,
         "recipe_file": recipe.path.name,

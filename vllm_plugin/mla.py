@@ -159,7 +159,7 @@ class LatentspeedMLAMetadataBuilder(MLACommonMetadataBuilder[LatentspeedMLAMetad
                 f"{' or '.join(map(str, SUPPORTED_BLOCK_SIZES))}"
             )
         self._num_sms = num_compute_units(device.index or 0)
-        quantized = getattr(vllm_config.quant_config, "get_name", lambda: None)() == FP8_METHOD
+        quantized = vllm_config.quant_config is not None and vllm_config.quant_config.get_name() == FP8_METHOD
         fp8_cache = kv_cache_spec.cache_dtype_str.startswith("fp8")
         # One host read every check_every steps covers the cache writes and latentspeed_fp8's linears.
         self._fp8_guard = fp8_guard(device) if fp8_cache or quantized else None

@@ -42,7 +42,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLO
     flat = topk_ids.flatten().long()
     counts = torch.bincount(flat, minlength=num_experts)
     padded = (counts + block_m - 1) // block_m * block_m
-    starts = torch.cumsum(padded, 0) - padded  # first padded row of each expert
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded  # first padded row of each expert
     order = torch.argsort(flat, stable=True)
     first_of_expert = torch.cumsum(counts, 0) - counts
     rank = torch.arange(pairs, device=flat.device) - first_of_expert[flat[order]]
@@ -50,7 +51,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLO
     sorted_ids = torch.full((size,), pairs, dtype=torch.int32, device=flat.device)
     sorted_ids[starts[flat[order]] + rank] = order.to(torch.int32)
     block_start = torch.arange(0, size, block_m, device=flat.device)
-    block_expert = torch.searchsorted(torch.cumsum(padded, 0), block_start, right=True).to(torch.int32)
+    block_expert = torch.searchsorted(ends, block_start, right=True).to(torch.int32)
     block_expert[block_expert >= num_experts] = -1
     return sorted_ids, block_expert
 

@@ -48,9 +48,10 @@ def _launch_config(block_rows: int, page_size: int, is_fp8: bool) -> tuple[int, 
     """``(BLOCK_N, num_warps, num_stages)`` for a decode launch: fixed per shape, so a CUDA
     graph can be captured without benchmarking inside the capture (Triton's autotuner
     times candidates with device syncs, which capture forbids) and every batch of a shape
-    runs the same code. Chosen on the H200 (benchmarks/notes.md): 64-token tiles; 8 warps
-    for 64-row groups (a 64 x 512 fp32 accumulator) and for fp8 tiles, whose conversion
-    needs registers; 4 warps otherwise. Tiles never cross a page."""
+    runs the same code. Chosen on the H200 (benchmarks/results/mla_decode_sweeps-2026-11-30.md):
+    32-token tiles and 4 warps for 16-row bf16 groups; otherwise 64-token tiles, with 8 warps
+    for 64-row groups (a 64 x 512 fp32 accumulator) and for fp8 tiles, whose conversion needs
+    registers, and 4 warps else. Tiles never cross a page."""
     if _INTERPRET:
         return 16, 4, 1
     if not is_fp8 and block_rows <= 16:
