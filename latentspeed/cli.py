@@ -226,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--window", type=int, default=1024, help="tokens per scored window")
     ev.add_argument("--max-windows", type=int, default=64)
     ev.add_argument("--top-k", type=int, default=8, help="top log-probs per position (top-1 agreement, KL)")
+    ev.add_argument("--eager", action="store_true", help="no CUDA graphs or compilation: faster start-up")
+    ev.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prefill this many tokens at a time, so that later chunks read the KV cache")
     ev.add_argument("--json", action="store_true")
     quantize_cli.add_parser(sub)
     args = parser.parse_args(argv)

@@ -8,6 +8,10 @@ window as a prompt (vLLM: prompt log-probs; SGLang: input log-probs), returning 
 log-prob and the top-k. ``--reference`` runs the same engine again with its defaults (its own
 attention backend, bf16 KV cache, no quantization) and reports |Δ log-prob|, top-1 agreement and
 top-k KL. Each engine runs in its own process (``python -m latentspeed.evaluate SPEC OUT``).
+
+Scoring a window as one prompt never reads the KV cache back, so a quantized cache would not
+show. ``--prefill-chunk N`` has the engine prefill N tokens at a time: later chunks then attend
+to earlier ones through the cache, in its dtype.
 """
 
 import importlib.util
@@ -21,6 +25,7 @@ from .metrics import Position, agreement, perplexity
 from .text_input import read_utf8
 
 CHUNK = 16  # windows per engine call: one progress-bar step
+PAGED_64 = ("latentspeed", "flashmla")  # SGLang backends that need pages of 64 tokens
 
 
 def load_windows(model_dir: str, text_file: str, window: int, max_windows: int) -> list[list[int]]:
@@ -63,9 +68,14 @@ def _score_vllm(spec: dict) -> list[list[Position]]:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     kwargs = dict(model=spec["model"], kv_cache_dtype=spec["kv_cache_dtype"], quantization=spec["quantization"],
-                  max_model_len=max(map(len, spec["windows"])) + 1, seed=0)
+                  max_model_len=max(map(len, spec["windows"])) + 1, seed=0, enforce_eager=spec.get("eager", False))
     if spec["attention_backend"]:
-        kwargs["attention_config"] = {"backend": spec["attention_backend"]}
+        # latentspeed's backend name also selects its MLA prefill, or prompts never reach our kernels.
+        prefill = {"mla_prefill_backend": "CUSTOM"} if spec["attention_backend"] == "CUSTOM" else {}
+        kwargs["attention_config"] = {"backend": spec["attention_backend"], **prefill}
+    if spec.get("prefill_chunk"):
+        kwargs.update(enable_chunked_prefill=True, max_num_batched_tokens=spec["prefill_chunk"],
+                      max_num_seqs=min(256, spec["prefill_chunk"]))
     llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=1, prompt_logprobs=spec["top_k"], temperature=0.0)
     runs = []
@@ -82,10 +92,11 @@ def _score_sglang(spec: dict) -> list[list[Position]]:
     import sglang as sgl
 
     kwargs = dict(model_path=spec["model"], kv_cache_dtype=spec["kv_cache_dtype"], quantization=spec["quantization"],
-                  random_seed=0)
+                  random_seed=0, disable_cuda_graph=spec.get("eager", False),
+                  chunked_prefill_size=spec.get("prefill_chunk") or None)
     if spec["attention_backend"]:
         kwargs["attention_backend"] = spec["attention_backend"]
-        kwargs["page_size"] = 64 if spec["attention_backend"] == "latentspeed" else None
+        kwargs["page_size"] = 64 if spec["attention_backend"] in PAGED_64 else None
     engine = sgl.Engine(**kwargs)
     runs = []
     try:
@@ -120,7 +131,8 @@ def run(args) -> dict:
     require_engine(args.engine)
     windows = load_windows(args.model, args.text, args.window, args.max_windows)
     spec = dict(engine=args.engine, model=args.model, attention_backend=args.attention_backend,
-                kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, top_k=args.top_k, windows=windows)
+                kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, top_k=args.top_k, windows=windows,
+                eager=args.eager, prefill_chunk=args.prefill_chunk)
     test = score_in_subprocess(spec)
     report = {"model": args.model, "text": args.text, "windows": len(windows), "tokens_scored": len(test),
               "run": {k: spec[k] for k in ("engine", "attention_backend", "kv_cache_dtype", "quantization")},

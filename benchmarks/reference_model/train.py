@@ -4,7 +4,8 @@
 
 Writes ``config.json``, ``model-0000x-of-0000y.safetensors`` (bf16, shards under 16 MiB),
 ``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``, ``metrics.json``
-(held-out perplexity, loss, steps, tokens, time, seed) and ``routing_trace.npz``: for held-out
+(held-out perplexity, loss, steps, tokens, time, seed), ``heldout.txt`` (the held-out files, the
+text ``latentspeed eval`` scores) and ``routing_trace.npz``: for held-out
 text, the top-k routed expert ids of every MoE layer and token (uint8 ``[layers, tokens, k]``),
 the input of the expert-prefetch policy. Seeds are fixed; the wall-clock budget bounds training.
 
@@ -28,6 +29,8 @@ from .corpus import build_corpus
 from .model_config import ENGINE_FIELDS, reference_config
 from .tokenizer import SPECIAL_TOKENS, save_tokenizer, train_tokenizer
 
+HELDOUT_SEPARATOR = "\n\n"
+
 
 def encode(tokenizer, texts: list[str]) -> torch.Tensor:
     """All texts as one token stream, each followed by the end-of-text token."""
@@ -40,9 +43,18 @@ def encode(tokenizer, texts: list[str]) -> torch.Tensor:
 
 
 class RoutingRecorder:
-    """Forward hooks on every router: the top-k expert ids of the last forward, per layer."""
+    """Forward hooks on every router: the top-k expert ids of the last forward, per layer.
+
+    The ids are recomputed from the router logits with V3's selection (sigmoid scores plus
+    ``e_score_correction_bias``; one expert group), because what the router module returns
+    differs between transformers releases (logits alone, or logits, weights and ids).
+    """
 
     def __init__(self, model):
+        config = model.config
+        if config.n_group != 1:
+            raise ValueError(f"the routing recorder handles one expert group, not n_group={config.n_group}")
+        self.top_k = config.num_experts_per_tok
         self.routers = [m for m in model.modules() if isinstance(m, DeepseekV3TopkRouter)]
         self.last: list[torch.Tensor] = [torch.empty(0)] * len(self.routers)
         for i, router in enumerate(self.routers):
@@ -50,7 +62,9 @@ class RoutingRecorder:
 
     def _hook(self, i):
         def record(module, inputs, outputs):
-            self.last[i] = outputs[2].detach()  # (logits, weights, indices)
+            logits = outputs[0] if isinstance(outputs, tuple) else outputs
+            scores = logits.detach().float().sigmoid() + module.e_score_correction_bias
+            self.last[i] = scores.topk(self.top_k, dim=-1).indices
 
         return record
 
@@ -58,8 +72,9 @@ class RoutingRecorder:
     def balance(self, rate: float) -> None:
         """Aux-loss-free balancing: raise the bias of under-loaded experts, lower the others."""
         for router, indices in zip(self.routers, self.last):
-            load = torch.bincount(indices.flatten(), minlength=router.num_experts).float()
-            router.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+            bias = router.e_score_correction_bias
+            load = torch.bincount(indices.flatten(), minlength=bias.numel()).float()
+            bias += rate * torch.sign(load.mean() - load)
 
 
 def batches(ids: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator):
@@ -148,6 +163,7 @@ def train(args) -> dict:
         token_ids=route_tokens.numpy().astype(np.int32),
         moe_layers=np.arange(config.first_k_dense_replace, config.num_hidden_layers, dtype=np.int32),
     )
+    (out / "heldout.txt").write_text(HELDOUT_SEPARATOR.join(corpus.heldout), encoding="utf-8")
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
 

@@ -5,11 +5,13 @@ import json
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
 from benchmarks.reference_model.corpus import build_corpus
 from benchmarks.reference_model.model_config import BUDGET_BYTES, parameter_count, reference_config
 from benchmarks.reference_model.tokenizer import SPECIAL_TOKENS, train_tokenizer
+from benchmarks.reference_model.train import HELDOUT_SEPARATOR, RoutingRecorder
 from benchmarks.reference_model.train import main as train_main
 
 TINY = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 2,
@@ -84,3 +86,26 @@ def test_tiny_training_run_writes_a_loadable_checkpoint(source_tree, tmp_path):
     experts, tokens = trace["expert_ids"], trace["token_ids"]
     assert experts.shape == (2, tokens.size, 2)  # two MoE layers, top-2
     assert experts.max() < config.n_routed_experts and tokens.max() < config.vocab_size
+    heldout = build_corpus(source_tree, heldout_percent=20).heldout
+    assert (out / "heldout.txt").read_text(encoding="utf-8") == HELDOUT_SEPARATOR.join(heldout)
+
+
+def test_routing_recorder_picks_the_experts_the_model_routes_to():
+    torch.manual_seed(0)
+    config = reference_config(320, **TINY)
+    model = DeepseekV3ForCausalLM(config).eval()
+    own = {}
+    for moe in (m for m in model.modules() if isinstance(m, DeepseekV3MoE)):
+        moe.gate.e_score_correction_bias.uniform_(-0.5, 0.5)  # the bias must take part in the choice
+
+        def keep(module, inputs, outputs, moe=moe):  # what this transformers release routes by
+            logits = outputs[0] if isinstance(outputs, tuple) else outputs
+            own[moe] = outputs[2] if isinstance(outputs, tuple) else moe.route_tokens_to_experts(logits)[0]
+
+        moe.gate.register_forward_hook(keep)
+    recorder = RoutingRecorder(model)
+    with torch.no_grad():
+        model(torch.randint(0, 320, (2, 24)))
+    assert len(recorder.last) == len(own) == 2
+    for recorded, moe in zip(recorder.last, own):
+        assert torch.equal(recorded.sort(dim=-1).values, own[moe].sort(dim=-1).values)

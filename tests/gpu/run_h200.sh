@@ -2,11 +2,16 @@
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
 #   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench fp8-bench moe-bench e2e-bf16 e2e-fp8 e2e-w8 (vLLM bundle on
 #                                         PYTHONPATH), sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8 (SGLang bundle),
-#                                         refmodel (train the reference model; no engine needed)
+#                                         refmodel (train the reference model; no engine needed),
+#                                         refmodel-eval-vllm refmodel-eval-sglang (its perplexity table, that engine staged)
+# REFMODEL (default /tmp/refmodel): the reference model's directory; CHECKPOINTS: a folder of its
+# quantized checkpoints (latentspeed quantize), added to the refmodel-eval tables; EVAL_ARGS: more
+# engine_eval.py options (e.g. --checkpoints-only).
 # Logs and JSON land in $OUT (the device tool's output folder) or ./gpu-out.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+refmodel=${REFMODEL:-/tmp/refmodel}
 status=0
 for step in "$@"; do
   case $step in
@@ -32,8 +37,15 @@ for step in "$@"; do
     e2e-fp8)
       python3 tests/gpu/vllm_e2e.py --group fp8 --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-fp8.json" 2>&1 \
         | tee "$out/e2e-fp8.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
-    refmodel)  # its 8 files are all one call may bring back: run it alone
-      python3 -m benchmarks.reference_model.train --out "$out/refmodel" 2>&1 | tail -n 20 ;;
+    refmodel)  # trains into $REFMODEL; comes back as $out/refmodel.tar.NN (15 MiB pieces: cat them, untar)
+      python3 -m benchmarks.reference_model.train --out "$refmodel" 2>&1 | tail -n 20 \
+        && tar -C "$(dirname "$refmodel")" -cf - "$(basename "$refmodel")" | split -b 15m -d - "$out/refmodel.tar." \
+        && cp "$refmodel/metrics.json" "$out/refmodel-metrics.json" ;;
+    refmodel-eval-vllm|refmodel-eval-sglang)  # the table of engine_eval.py; quantized checkpoints from $CHECKPOINTS
+      engine=${step#refmodel-eval-}
+      ckpts=(); for d in "${CHECKPOINTS:-/nonexistent}"/*/; do [ -f "$d/config.json" ] && ckpts+=(--checkpoint "$(basename "$d")=$d"); done
+      python3 -m benchmarks.reference_model.engine_eval --engine "$engine" --model "$refmodel" "${ckpts[@]}" ${EVAL_ARGS:-} \
+        --out "$out/$step.json" 2>"$out/$step.log" | tee "$out/$step.md" ;;
     sglang-e2e-bf16|sglang-e2e-fp8|sglang-e2e-w8)
       group=${step#sglang-e2e-}
       python3 tests/gpu/sglang_e2e.py --group "$group" --throughput --reuse --workdir /tmp/e2e-sglang \
