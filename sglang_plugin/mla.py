@@ -7,11 +7,16 @@ fp8 stored as uint8 and viewed as E4M3/E5M2) through ``common_kernels.mla``:
   over the paged latent cache, one query token per request or ragged query counts;
 - target verify (EAGLE): the draft tokens of each request attend to the prefix and, per
   SGLang's tree mask, to their ancestors;
-- extends with no cached prefix: varlen attention over the up-projected heads (192 / 128),
-  whose latent rows the model has already written.
+- extends that SGLang computes as MHA over the up-projected heads (192 / 128; the model has
+  already written their latent rows): new tokens causally against themselves, or in one shot
+  against their whole sequence, or against one chunk of the cached prefix at a time (not
+  causal, returning the log-sum-exp that SGLang merges).
 
 DeepSeek dispatch: the backend joins ``FORWARD_ABSORB_CORE_ATTENTION_BACKENDS`` (queries arrive
-split into ``q_nope`` / ``q_rope``) and uses SGLang's own MHA-or-MLA rule for extends.
+split into ``q_nope`` / ``q_rope``) and takes SGLang's FA3 rule for extends: MHA when there is no
+cached prefix or a long one (``SGLANG_CHUNKED_PREFIX_CACHE_THRESHOLD``), absorbed MLA for short
+prefixes, decode and speculative verification. Absorbed MLA over a long prefix would cost about
+3.5 times MHA's FLOPs (576/512-wide products per head instead of 192/128).
 """
 
 from dataclasses import dataclass
@@ -32,14 +37,13 @@ def register_deepseek_dispatch() -> None:
     """Add the backend to SGLang's DeepSeek tables (in place: the model modules hold the list)."""
     from sglang.srt.models.deepseek_common.attention_backend_handler import (
         AttentionBackendRegistry,
-        handle_attention_triton,
+        handle_attention_fa3,
     )
     from sglang.srt.models.deepseek_common.utils import FORWARD_ABSORB_CORE_ATTENTION_BACKENDS
 
     if BACKEND_NAME not in FORWARD_ABSORB_CORE_ATTENTION_BACKENDS:
         FORWARD_ABSORB_CORE_ATTENTION_BACKENDS.append(BACKEND_NAME)
-    # MHA for extends with no cached prefix, absorbed MLA for everything else.
-    AttentionBackendRegistry.register(BACKEND_NAME, handle_attention_triton)
+    AttentionBackendRegistry.register(BACKEND_NAME, handle_attention_fa3)
 
 
 @dataclass
@@ -48,6 +52,7 @@ class ForwardMetadata:
     seq_lens: torch.Tensor  # [B] int32, cache tokens including this step's queries
     plan: DecodePlan
     query_start_loc: torch.Tensor | None = None  # [B + 1] int32, ragged extends
+    kv_start_loc: torch.Tensor | None = None  # [B + 1] int32, extends: prefix sums of seq_lens
     tree_mask: torch.Tensor | None = None  # [B, D] int64, target verify
     max_extend_len: int = 0
 
@@ -129,11 +134,12 @@ class LatentspeedMLABackend(AttentionBackend):
         if mode.is_decode_or_idle():
             return ForwardMetadata(page_table, seq_lens, plan_decode(batch, self.num_heads, 1, max_seq_len, self.num_sms))
         extend_lens = forward_batch.extend_seq_lens.to(torch.int32)
-        query_start_loc = torch.zeros(batch + 1, dtype=torch.int32, device=extend_lens.device)
-        torch.cumsum(extend_lens, 0, out=query_start_loc[1:])
+        starts = torch.zeros(2, batch + 1, dtype=torch.int32, device=extend_lens.device)
+        torch.cumsum(torch.stack([extend_lens, seq_lens]), 1, out=starts[:, 1:])
         max_extend = max(forward_batch.extend_seq_lens_cpu) if batch else 0
         plan = plan_decode(batch, self.num_heads, max(1, max_extend), max_seq_len, self.num_sms)
-        return ForwardMetadata(page_table, seq_lens, plan, query_start_loc=query_start_loc, max_extend_len=max_extend)
+        return ForwardMetadata(page_table, seq_lens, plan, query_start_loc=starts[0], kv_start_loc=starts[1],
+                               max_extend_len=max_extend)
 
     def _step_guard(self) -> None:
         if self.guard is not None:
@@ -228,15 +234,29 @@ class LatentspeedMLABackend(AttentionBackend):
             return self._absorbed(q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope)
         if save_kv_cache:
             raise NotImplementedError("latentspeed: the MHA prefill path expects the model to write the latent cache")
+        return self._mha(q, k, v, layer, forward_batch)
+
+    def _mha(self, q, k, v, layer, forward_batch):
+        """One of SGLang's MHA extend calls (module docstring). With ``mha_return_lse`` it returns
+        ``(out [T, H, D_v], lse [T, H])``, natural log, the layout ``merge_state_v2`` takes."""
         heads, meta = layer.tp_q_head_num, self.forward_metadata
-        out = varlen_attention(
+        if getattr(forward_batch, "attn_attend_prefix_cache", None):
+            keys_start, causal = forward_batch.prefix_chunk_cu_seq_lens[forward_batch.prefix_chunk_idx], False
+        else:
+            keys_start, causal = (meta.kv_start_loc if getattr(forward_batch, "mha_one_shot", None) else meta.query_start_loc), True
+        return_lse = bool(getattr(forward_batch, "mha_return_lse", None))
+        result = varlen_attention(
             q.view(-1, heads, layer.head_dim),
             k.view(-1, heads, layer.head_dim),
             v.view(-1, heads, layer.v_head_dim),
             meta.query_start_loc,
-            meta.query_start_loc,
+            keys_start,
             meta.max_extend_len,
             layer.scaling,
-            causal=True,
+            causal=causal,
+            return_lse=return_lse,
         )
-        return out.view(-1, heads * layer.v_head_dim)
+        if return_lse:
+            out, lse = result
+            return out, lse.t().contiguous()
+        return result.view(-1, heads * layer.v_head_dim)

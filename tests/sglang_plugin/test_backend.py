@@ -175,6 +175,85 @@ def test_prefill_without_prefix_runs_varlen_attention():
     assert_close(out.view(-1, HEADS, 128), ref, atol=2e-2, rtol=2e-2, name="prefill out")
 
 
+def mha_layer():
+    return SimpleNamespace(layer_id=0, tp_q_head_num=HEADS, tp_k_head_num=HEADS, head_dim=192, v_head_dim=128,
+                           scaling=SCALE, k_scale_float=None)
+
+
+def mha_extend(prefix_lens, extend_lens, **fields):
+    """An extend batch as SGLang's DeepSeek MHA paths hand it to the backend."""
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    return batch(ForwardMode.EXTEND, seq_lens, torch.zeros(sum(extend_lens), dtype=torch.long),
+                 extend_seq_lens=torch.tensor(extend_lens, dtype=torch.int32), extend_seq_lens_cpu=extend_lens,
+                 extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32), extend_prefix_lens_cpu=prefix_lens,
+                 **fields)
+
+
+def cumulative(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def test_mha_one_shot_attends_to_each_whole_sequence():
+    backend, _ = make_backend()
+    prefix, extend = [5, 20], [7, 12]
+    forward = mha_extend(prefix, extend, mha_one_shot=True, mha_return_lse=False, attn_attend_prefix_cache=False)
+    seq_lens = [p + e for p, e in zip(prefix, extend)]
+    q = torch.randn(sum(extend), HEADS, 192, dtype=torch.bfloat16)
+    kv = torch.randn(sum(seq_lens), HEADS, 192 + 128, dtype=torch.bfloat16)  # each request: prefix, then new tokens
+    backend.init_forward_metadata(forward)
+
+    out = backend.forward_extend(q, kv[..., :192], kv[..., 192:], mha_layer(), forward, save_kv_cache=False)
+
+    ref, _ = varlen_attention_ref(q, kv[..., :192], kv[..., 192:], cumulative(extend), cumulative(seq_lens), SCALE,
+                                  causal=True)
+    assert_close(out.view(-1, HEADS, 128), ref, atol=2e-2, rtol=2e-2, name="one-shot out")
+
+
+def test_mha_over_prefix_chunks_merges_to_attention_over_the_whole_sequence():
+    """SGLang's MHA_CHUNKED_KV: new tokens causally, then each prefix chunk without a mask, merged
+    by log-sum-exp (as sgl_kernel's merge_state_v2 does on the GPU)."""
+    backend, _ = make_backend()
+    prefix, extend = [0, 40], [9, 6]  # a request without a prefix sees no key in the chunks
+    chunks = [[0, 24], [0, 16]]  # prefix tokens per request in chunk 0 and 1
+    forward = mha_extend(prefix, extend, mha_one_shot=False, mha_return_lse=True, attn_attend_prefix_cache=False,
+                         prefix_chunk_idx=-1, prefix_chunk_cu_seq_lens=torch.stack([cumulative(c) for c in chunks]))
+    q = torch.randn(sum(extend), HEADS, 192, dtype=torch.bfloat16)
+    new_kv = torch.randn(sum(extend), HEADS, 192 + 128, dtype=torch.bfloat16)
+    prefix_kv = torch.randn(sum(prefix), HEADS, 192 + 128, dtype=torch.bfloat16)
+    backend.init_forward_metadata(forward)
+    layer = mha_layer()
+
+    out, lse = backend.forward_extend(q, new_kv[..., :192], new_kv[..., 192:], layer, forward, save_kv_cache=False)
+    assert out.shape == (sum(extend), HEADS, 128) and lse.shape == (sum(extend), HEADS) and lse.is_contiguous()
+    forward.attn_attend_prefix_cache = True
+    start = 0
+    for i in range(len(chunks)):
+        forward.prefix_chunk_idx = i
+        chunk_kv = prefix_kv[start : start + sum(chunks[i])]
+        start += sum(chunks[i])
+        o_i, lse_i = backend.forward_extend(q, chunk_kv[..., :192], chunk_kv[..., 192:], layer, forward,
+                                            save_kv_cache=False, key_value_num_tokens=chunk_kv.shape[0])
+        both = torch.stack([lse, lse_i])
+        merged = torch.logsumexp(both, 0)
+        weights = torch.exp(both - merged)[..., None]
+        out = (weights[0] * out.float() + weights[1] * o_i.float()).to(out.dtype)
+        lse = merged
+
+    # The reference: each request's keys in sequence order, its prefix (chunk 0's rows, then chunk 1's),
+    # then its new tokens.
+    chunk_rows = torch.arange(sum(prefix)).split([sum(c) for c in chunks])
+    rows = []
+    for b in range(len(extend)):
+        rows += [prefix_kv[r[cumulative(c)[b] : cumulative(c)[b + 1]]] for r, c in zip(chunk_rows, chunks)]
+        rows.append(new_kv[cumulative(extend)[b] : cumulative(extend)[b + 1]])
+    all_kv = torch.cat(rows)
+    seq_lens = [p + e for p, e in zip(prefix, extend)]
+    ref, ref_lse = varlen_attention_ref(q, all_kv[..., :192], all_kv[..., 192:], cumulative(extend),
+                                        cumulative(seq_lens), SCALE, causal=True)
+    assert_close(out, ref, atol=2e-2, rtol=2e-2, name="merged out")
+    assert_close(lse, ref_lse.t(), atol=1e-2, rtol=1e-3, name="merged lse")
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [({"page_size": 24}, r"block size 24 is not supported.*--page-size 64"), ({"kv_lora_rank": 384}, "kv_lora_rank=384")],

@@ -64,7 +64,7 @@ def test_cli_accepts_the_backend_name(flag):
 def test_deepseek_tables_route_to_latentspeed():
     from sglang.srt.models.deepseek_common.attention_backend_handler import (
         AttentionBackendRegistry,
-        handle_attention_triton,
+        handle_attention_fa3,
     )
     from sglang.srt.models.deepseek_common.utils import FORWARD_ABSORB_CORE_ATTENTION_BACKENDS
 
@@ -73,7 +73,7 @@ def test_deepseek_tables_route_to_latentspeed():
     register_deepseek_dispatch()
     register_deepseek_dispatch()
     assert FORWARD_ABSORB_CORE_ATTENTION_BACKENDS.count("latentspeed") == 1
-    assert AttentionBackendRegistry.get_handler("latentspeed") is handle_attention_triton
+    assert AttentionBackendRegistry.get_handler("latentspeed") is handle_attention_fa3
 
 
 def test_unsupported_sglang_version_is_named(monkeypatch):
