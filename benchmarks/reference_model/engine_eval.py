@@ -7,7 +7,7 @@ and of the engine's own built-ins, in one table (issues #5 and #7).
 Every row scores the same held-out windows (``heldout.txt`` beside the model unless ``--text``)
 with ``latentspeed eval``'s machinery, one engine process per row, no CUDA graphs, prefilling
 ``--prefill-chunk`` tokens at a time so that later chunks read the KV cache in its own dtype.
-The first row, the engine's defaults in bf16, is the reference of every other row: |Δ log-prob|,
+The first row, a built-in backend in bf16, is the reference of every other row: |Δ log-prob|,
 top-1 agreement and top-k KL. Built-in rows beside ours give the spread between two correct
 implementations. A row whose engine fails is recorded with its error; the others still run.
 The JSON is rewritten after every row, so a run cut short keeps what it measured.
@@ -21,36 +21,38 @@ from pathlib import Path
 from latentspeed.evaluate import load_windows, score_in_subprocess
 from latentspeed.metrics import agreement, perplexity
 
-# label: (attention backend, kv-cache dtype, quantization); None = the engine's choice.
+# label: (attention backend, kv-cache dtype, quantization)
 RUNS = {
     "vllm": {
-        "vLLM default, bf16": (None, "auto", None),
+        "FLASHMLA, bf16": ("FLASHMLA", "auto", None),
         "TRITON_MLA, bf16": ("TRITON_MLA", "auto", None),
         "latentspeed (CUSTOM), bf16": ("CUSTOM", "auto", None),
         "FLASHMLA, fp8 e4m3 cache": ("FLASHMLA", "fp8", None),
         "latentspeed, fp8 e4m3 cache": ("CUSTOM", "fp8", None),
-        "vLLM fp8_per_block weights (at load)": (None, "auto", "fp8_per_block"),
+        "vLLM fp8_per_block weights (at load)": ("FLASHMLA", "auto", "fp8_per_block"),
         "latentspeed_fp8 weights (at load), CUSTOM": ("CUSTOM", "auto", "latentspeed_fp8"),
     },
-    "sglang": {
-        "SGLang default, bf16": (None, "auto", None),
+    "sglang": {  # its default on Hopper, fa3, is not in the GPU host's SGLang bundle
         "triton, bf16": ("triton", "auto", None),
+        "flashinfer, bf16": ("flashinfer", "auto", None),
         "latentspeed, bf16": ("latentspeed", "auto", None),
-        "flashinfer, fp8 e4m3 cache": ("flashinfer", "fp8_e4m3", None),
+        "triton, fp8 e4m3 cache": ("triton", "fp8_e4m3", None),
         "latentspeed, fp8 e4m3 cache": ("latentspeed", "fp8_e4m3", None),
         "latentspeed_fp8 weights (at load), latentspeed": ("latentspeed", "auto", "latentspeed_fp8"),
     },
 }
 OUR_BACKEND = {"vllm": "CUSTOM", "sglang": "latentspeed"}
+BUILTIN_BACKEND = {engine: next(iter(runs.values()))[0] for engine, runs in RUNS.items()}  # the reference's
 
 
 def checkpoint_runs(engine: str, name: str, path: str) -> dict:
-    """Rows for a quantized checkpoint: the stock engine (scheme from its config) and, for FP8
-    block weights, latentspeed's method and backend; a calibrated KV scheme brings an fp8 cache."""
+    """Rows for a quantized checkpoint: the stock engine (its scheme from the checkpoint's config,
+    the reference row's backend) and, for FP8 block weights, latentspeed's method and backend; a
+    calibrated KV scheme brings an fp8 cache."""
     config = json.loads(Path(path, "config.json").read_text())
     quant = config.get("quantization_config") or {}
     kv = ("fp8" if engine == "vllm" else "fp8_e4m3") if quant.get("kv_cache_scheme") else "auto"
-    runs = {f"{name}: stock {engine}": (None, kv, None, path)}
+    runs = {f"{name}: stock {engine}": (BUILTIN_BACKEND[engine], kv, None, path)}
     weights = [g.get("weights") or {} for g in (quant.get("config_groups") or {}).values()]
     if weights and all(w.get("type") == "float" and w.get("num_bits") == 8 and w.get("strategy") == "block"
                        for w in weights):

@@ -148,7 +148,8 @@ def train(args) -> dict:
         "heldout_perplexity": math.exp(heldout_loss), "heldout_loss": heldout_loss, "final_train_loss": loss,
         "steps": step, "train_tokens": step * args.batch * args.seq_len, "train_seconds": train_s, "prep_seconds": prep_s,
         "seed": args.seed, "parameters": sum(p.numel() for p in model.parameters()),
-        "corpus_chars": dict(zip(("train", "heldout"), corpus.sizes())), "vocab_size": tokenizer.get_vocab_size(),
+        "corpus_chars": dict(zip(("train", "heldout"), corpus.sizes())), "corpus_tokens": train_ids.numel(),
+        "train_epochs": step * args.batch * args.seq_len / train_ids.numel(), "vocab_size": tokenizer.get_vocab_size(),
         "kv_lora_rank": config.kv_lora_rank, "device": str(device),
     }
     print(f"held-out perplexity {metrics['heldout_perplexity']:.2f} after {step} steps ({train_s:.0f}s)", flush=True)
@@ -180,8 +181,9 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--bias-rate", type=float, default=1e-3)
     parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--corpus-root", default=None, help="default: this Python's standard library")
-    parser.add_argument("--corpus-bytes", type=int, default=48 << 20)
+    parser.add_argument("--corpus-root", action="append", default=None,
+                        help="a folder of Python sources (repeatable); default: the standard library, then site-packages")
+    parser.add_argument("--corpus-bytes", type=int, default=96 << 20)
     parser.add_argument("--heldout-percent", type=int, default=2)
     parser.add_argument("--eval-windows", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)

@@ -25,14 +25,14 @@ def test_fp8_block_checkpoints_also_run_under_latentspeed_and_kv_schemes_bring_a
     mixed = write_config(tmp_path / "c", {"config_groups": {"group_0": fp8_block, "group_1": nvfp4}})
 
     assert engine_eval.checkpoint_runs("vllm", "fp8-block", block) == {
-        "fp8-block: stock vllm": (None, "auto", None, block),
+        "fp8-block: stock vllm": ("FLASHMLA", "auto", None, block),
         "fp8-block: latentspeed_fp8, CUSTOM": ("CUSTOM", "auto", "latentspeed_fp8", block),
     }
     assert engine_eval.checkpoint_runs("sglang", "kv", block_kv) == {
-        "kv: stock sglang": (None, "fp8_e4m3", None, block_kv),
+        "kv: stock sglang": ("triton", "fp8_e4m3", None, block_kv),
         "kv: latentspeed_fp8, latentspeed": ("latentspeed", "fp8_e4m3", "latentspeed_fp8", block_kv),
     }
-    assert engine_eval.checkpoint_runs("vllm", "mixed", mixed) == {"mixed: stock vllm": (None, "auto", None, mixed)}
+    assert engine_eval.checkpoint_runs("vllm", "mixed", mixed) == {"mixed: stock vllm": ("FLASHMLA", "auto", None, mixed)}
 
 
 def test_rows_are_compared_with_the_first_and_a_failed_row_is_kept(tiny_model, tmp_path, monkeypatch):  # noqa: F811
@@ -43,7 +43,7 @@ def test_rows_are_compared_with_the_first_and_a_failed_row_is_kept(tiny_model, t
         calls.append(spec)
         if spec["quantization"] == "fp8_per_block":
             raise RuntimeError("the vllm run failed (exit 1); its log is above")
-        shift = 0.0 if spec["attention_backend"] is None else 0.1
+        shift = 0.0 if spec["attention_backend"] == "FLASHMLA" and spec["kv_cache_dtype"] == "auto" else 0.1
         tokens = [t for w in spec["windows"] for t in w[1:]]
         return [Position(t, math.log(0.5) - shift, {t: math.log(0.5) - shift}) for t in tokens]
 
@@ -54,7 +54,7 @@ def test_rows_are_compared_with_the_first_and_a_failed_row_is_kept(tiny_model, t
     assert json.loads(out.read_text()) == report
     rows = {row["label"]: row for row in report["rows"]}
     assert list(rows) == list(engine_eval.RUNS["vllm"]) and len(calls) == len(rows)
-    assert "agreement" not in rows["vLLM default, bf16"] and rows["vLLM default, bf16"]["perplexity"] == pytest.approx(2)
+    assert "agreement" not in rows["FLASHMLA, bf16"] and rows["FLASHMLA, bf16"]["perplexity"] == pytest.approx(2)
     custom = rows["latentspeed (CUSTOM), bf16"]
     assert custom["agreement"]["mean_abs_dlogprob"] == pytest.approx(0.1)
     assert custom["perplexity"] == pytest.approx(2 * math.exp(0.1))
@@ -69,5 +69,5 @@ def test_checkpoints_only_keeps_the_reference_row(tiny_model, tmp_path, monkeypa
                         lambda spec: [Position(t, -1.0, {}) for w in spec["windows"] for t in w[1:]])
     report = engine_eval.main(["--engine", "sglang", "--model", str(tiny_model), "--checkpoint", f"nvfp4={checkpoint}",
                                "--checkpoints-only", "--window", "16", "--out", str(tmp_path / "eval.json")])
-    assert [row["label"] for row in report["rows"]] == ["SGLang default, bf16", "nvfp4: stock sglang"]
+    assert [row["label"] for row in report["rows"]] == ["triton, bf16", "nvfp4: stock sglang"]
     assert report["rows"][1]["model"] == checkpoint and report["rows"][1]["agreement"]["max_abs_dlogprob"] == 0

@@ -1,6 +1,8 @@
 """The reference-model builder on the CPU: corpus, tokenizer, config and a few training steps."""
 
 import json
+import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
-from benchmarks.reference_model.corpus import build_corpus
+from benchmarks.reference_model.corpus import build_corpus, default_roots
 from benchmarks.reference_model.model_config import BUDGET_BYTES, parameter_count, reference_config
 from benchmarks.reference_model.tokenizer import SPECIAL_TOKENS, train_tokenizer
 from benchmarks.reference_model.train import HELDOUT_SEPARATOR, RoutingRecorder
@@ -37,6 +39,17 @@ def test_corpus_split_is_stable_and_skips_what_it_should(source_tree):
     assert len(first.train) + len(first.heldout) == 40  # not the vendored, non-UTF-8 or empty files
     assert not any("SHOULD_NOT_APPEAR" in t for t in first.train + first.heldout)
     assert first.heldout and first.train
+
+
+def test_corpus_reads_its_roots_in_order_up_to_the_byte_budget(source_tree, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "extra.py").write_text("EXTRA = 1\n" * 50)
+    both = build_corpus([source_tree, other], heldout_percent=20)
+    alone = build_corpus(source_tree, heldout_percent=20)
+    assert sorted(both.train + both.heldout) == sorted(alone.train + alone.heldout + ["EXTRA = 1\n" * 50])
+    assert build_corpus([source_tree, other], heldout_percent=20, max_bytes=sum(alone.sizes())) == alone
+    assert default_roots()[0] == Path(sysconfig.get_paths()["stdlib"])
 
 
 def test_corpus_without_files_is_refused(tmp_path):
