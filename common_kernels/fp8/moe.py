@@ -31,29 +31,33 @@ BLOCK_M = 16 if _INTERPRET else 64
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
-    """Sort the ``T * k`` (token, slot) pairs by expert, each expert's run padded to ``block_m``.
+    """Sort the ``T * k`` (token, slot) pairs by expert, each expert's run padded to ``block_m``;
+    pairs with a negative id (experts on another rank) are left out.
 
     Returns ``(sorted_ids [P] int32, block_expert [P // block_m] int32)`` with
     ``P = T * k + E * (block_m - 1)`` rounded up to ``block_m``: ``sorted_ids`` holds pair indices
     ``t * k + j`` (``T * k`` marks padding), ``block_expert`` the expert of each run of ``block_m``
-    (``-1`` for blocks past the last run).
+    (``-1`` for blocks past the last run). No host synchronization and shapes fixed by ``T * k``
+    and ``E``, so CUDA graphs capture it.
     """
     pairs = topk_ids.numel()
     flat = topk_ids.flatten().long()
-    counts = torch.bincount(flat, minlength=num_experts)
-    padded = (counts + block_m - 1) // block_m * block_m
+    key = torch.where(flat < 0, num_experts, flat)  # bucket E: left out
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
-    starts = ends - padded  # first padded row of each expert
-    order = torch.argsort(flat, stable=True)
-    first_of_expert = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(pairs, device=flat.device) - first_of_expert[flat[order]]
     size = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
-    sorted_ids = torch.full((size,), pairs, dtype=torch.int32, device=flat.device)
-    sorted_ids[starts[flat[order]] + rank] = order.to(torch.int32)
+    starts = torch.cat([ends - padded, ends.new_full((1,), size)])  # left-out pairs land past the end
+    order = torch.argsort(key, stable=True)
+    first_of_bucket = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(pairs, device=flat.device) - first_of_bucket[key[order]]
+    sorted_ids = torch.full((size + pairs,), pairs, dtype=torch.int32, device=flat.device)
+    sorted_ids[torch.where(key[order] < num_experts, starts[key[order]] + rank, size + rank)] = order.to(torch.int32)
     block_start = torch.arange(0, size, block_m, device=flat.device)
     block_expert = torch.searchsorted(ends, block_start, right=True).to(torch.int32)
-    block_expert[block_expert >= num_experts] = -1
-    return sorted_ids, block_expert
+    block_expert = torch.where(block_expert >= num_experts, -1, block_expert)
+    return sorted_ids[:size], block_expert
 
 
 def append_shared_experts(topk_ids: torch.Tensor, topk_weights: torch.Tensor, first_shared: int, num_shared: int,
@@ -133,7 +137,7 @@ def _moe_gemm(a, a_scale, b, b_scale, out, sorted_ids, block_expert, weights, ro
     )
 
 
-def _validate(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
+def _validate(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_map, check_ids):
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"x must be bf16/fp16 [T, H], got {x.dtype} {tuple(x.shape)}")
     if w13.dtype not in FP8_DTYPES or w2.dtype not in FP8_DTYPES or w13.dim() != 3 or w2.dim() != 3:
@@ -149,13 +153,18 @@ def _validate(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids):
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids and topk_weights must both be [T, k] with T = {x.shape[0]}, got "
                          f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
-    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= experts):
-        raise ValueError(f"topk_ids must lie in [0, {experts}), got [{int(topk_ids.min())}, {int(topk_ids.max())}]")
+    if expert_map is not None and (expert_map.dim() != 1 or expert_map.dtype.is_floating_point):
+        raise ValueError(f"expert_map must be an integer [E_global] tensor, got {expert_map.dtype} "
+                         f"{tuple(expert_map.shape)}")
+    id_range = experts if expert_map is None else expert_map.numel()
+    if check_ids and topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= id_range):
+        raise ValueError(f"topk_ids must lie in [0, {id_range}), got [{int(topk_ids.min())}, {int(topk_ids.max())}]")
 
 
 def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                   w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  stats: torch.Tensor | None = None) -> torch.Tensor:
+                  stats: torch.Tensor | None = None, expert_map: torch.Tensor | None = None,
+                  check_ids: bool = True) -> torch.Tensor:
     """The routed experts' output (module docstring).
 
     Args:
@@ -165,21 +174,30 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
         w2: ``[E, H, I]`` fp8; ``w2_scale`` ``[E, cdiv(H, 128), cdiv(I, 128)]`` fp32.
         topk_weights: ``[T, k]`` routing weights (any float dtype); ``topk_ids``: ``[T, k]`` expert ids.
         stats: optional int32 ``[2]`` fp8 guard counters (clamped, non-finite) for the quantizers.
+        expert_map: expert parallelism: ``[E_global]`` int, the local index of each global expert
+            (``topk_ids`` are then global) or ``-1`` for an expert on another rank, whose pairs
+            contribute nothing here.
+        check_ids: check that ``topk_ids`` are in range (a device synchronization: engines, whose
+            routers produce valid ids and which capture this in CUDA graphs, pass False).
 
     Returns ``[T, H]`` in x's dtype. Raises ``ValueError`` naming any shape, dtype or id problem.
     """
-    _validate(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
+    _validate(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_map, check_ids)
     tokens, top_k = topk_ids.shape
     experts, two_i, hidden = w13.shape
-    out = x.new_zeros(tokens, hidden)
     if tokens == 0:
-        return out
-    sorted_ids, block_expert = align_by_expert(topk_ids, experts)
+        return x.new_zeros(tokens, hidden)
+    ids = topk_ids if expert_map is None else expert_map[topk_ids.long()]
+    sorted_ids, block_expert = align_by_expert(ids, experts)
     weights = topk_weights.flatten().float().contiguous()
     a, a_scale = quantize_per_token_group(x.contiguous(), SCALE_BLOCK, stats=stats)
-    hidden_act = x.new_empty(tokens * top_k, two_i // 2)  # silu(gate) * up, fused into the first GEMM
+    # silu(gate) * up, fused into the first GEMM; rows of left-out pairs are never written.
+    hidden_act = (x.new_zeros if expert_map is not None else x.new_empty)(tokens * top_k, two_i // 2)
     _moe_gemm(a, a_scale, w13, w13_scale, hidden_act, sorted_ids, block_expert, weights, top_k, True, False)
     h, h_scale = quantize_per_token_group(hidden_act, SCALE_BLOCK, stats=stats)
     down = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
     _moe_gemm(h, h_scale, w2, w2_scale, down, sorted_ids, block_expert, weights, 1, False, True)
-    return down.view(tokens, top_k, hidden).sum(1).to(x.dtype)
+    down = down.view(tokens, top_k, hidden)
+    if expert_map is not None:
+        down = torch.where((ids >= 0)[..., None], down, 0.0)
+    return down.sum(1).to(x.dtype)

@@ -41,14 +41,16 @@ def quantize_weight_blocks_ref(w: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, b
     return q[:n, :k].contiguous(), scales
 
 
-def fused_moe_fp8_ref(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids) -> torch.Tensor:
+def fused_moe_fp8_ref(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_map=None) -> torch.Tensor:
     """Same contract as ``fused_moe_fp8``, one (token, slot) pair at a time."""
     tokens, top_k = topk_ids.shape
     out = torch.zeros(tokens, w13.shape[2], dtype=torch.float32, device=x.device)
     a, a_scale = quantize_per_token_group_ref(x)
     for t in range(tokens):
         for j in range(top_k):
-            e = int(topk_ids[t, j])
+            e = int(topk_ids[t, j]) if expert_map is None else int(expert_map[topk_ids[t, j]])
+            if e < 0:
+                continue
             gate_up = block_scaled_gemm_ref(a[t : t + 1], a_scale[t : t + 1], w13[e], w13_scale[e], torch.float32)
             gate, up = gate_up.chunk(2, dim=-1)
             h, h_scale = quantize_per_token_group_ref((torch.nn.functional.silu(gate) * up).to(x.dtype))

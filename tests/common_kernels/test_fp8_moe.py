@@ -35,6 +35,14 @@ def test_align_by_expert_places_every_pair_once(tokens):
     assert 5 not in block_expert.tolist()
 
 
+def test_align_by_expert_leaves_out_negative_ids():
+    ids = torch.tensor([[0, -1], [2, 0], [-1, -1], [2, 1]])
+    sorted_ids, block_expert = align_by_expert(ids, 3, BLOCK_M)
+    pairs = ids.numel()
+    assert sorted(sorted_ids[sorted_ids < pairs].tolist()) == [0, 2, 3, 6, 7]
+    assert sorted_ids.numel() == block_expert.numel() * BLOCK_M == -(-(pairs + 3 * (BLOCK_M - 1)) // BLOCK_M) * BLOCK_M
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 40])
 def test_fused_moe_matches_reference(tokens):
     routed, hidden, inter, top_k = 4, 256, 192, 2  # I = 192: the down GEMM's last K block is partial
@@ -49,6 +57,25 @@ def test_fused_moe_matches_reference(tokens):
     expected = fused_moe_fp8_ref(x, w13, s13, w2, s2, weights, ids)
     assert out.shape == (tokens, hidden) and out.dtype == torch.bfloat16
     assert_close(out, expected, atol=2e-2, rtol=2e-2, name="moe out")
+
+
+def test_expert_parallel_rank_computes_its_own_experts_only():
+    """Six global experts, three on this rank: pairs routed elsewhere contribute nothing, and the
+    rows they leave unwritten are not quantized as garbage (the guard stays at zero)."""
+    hidden, inter, top_k, tokens = 128, 128, 3, 9
+    w13, s13 = expert_weights(3, 2 * inter, hidden, 0.05)
+    w2, s2 = expert_weights(3, hidden, inter, 0.05)
+    expert_map = torch.tensor([-1, 0, -1, 1, 2, -1], dtype=torch.int32)
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16)
+    weights, ids = torch.softmax(torch.randn(tokens, 6), -1).topk(top_k, dim=-1)
+    ids[0] = torch.tensor([0, 2, 5])  # token 0: every expert elsewhere
+    stats = torch.zeros(2, dtype=torch.int32)
+    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, stats=stats, expert_map=expert_map)
+    expected = fused_moe_fp8_ref(x, w13, s13, w2, s2, weights, ids, expert_map=expert_map)
+    assert_close(out, expected, atol=2e-2, rtol=2e-2, name="ep out")
+    assert torch.equal(out[0], torch.zeros(hidden, dtype=out.dtype)) and stats.tolist() == [0, 0]
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 6\)"):
+        fused_moe_fp8(x, w13, s13, w2, s2, weights, ids + 6, expert_map=expert_map)
 
 
 def test_nonfinite_activations_are_counted():
