@@ -10,15 +10,18 @@ Checkpoints it loads:
   llm-compressor writes them, claimed from ``compressed-tensors`` likewise;
 - bf16/fp16, quantized to 128 x 128 blocks while loading (latentspeed's quantizer).
 
-vLLM's own classes load and shard the weights; only the linear layers' GEMM is swapped for
-ours (``LatentspeedBlockFp8Kernel``). MoE experts and KV-cache scales stay vLLM's block-FP8
-methods for now. Weights keep vLLM's plain ``weight [N, K]`` / ``weight_scale_inv`` layout, so
-MLA's ``kv_b_proj`` is dequantized exactly for weight absorption.
+vLLM's own classes load and shard the weights; the linear layers' GEMM is ours
+(``LatentspeedBlockFp8Kernel``) and so are the routed experts of the DeepSeek-V3 FP8 and bf16
+checkpoints (``common_kernels.fp8.fused_moe_fp8``, behind vLLM's router, shared experts,
+expert map and reductions). Compressed-tensors MoE layers and KV-cache scales stay vLLM's.
+Weights keep vLLM's plain ``weight [N, K]`` / ``weight_scale_inv`` layout, so MLA's
+``kv_b_proj`` is dequantized exactly for weight absorption.
 """
 
 import torch
 from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import Fp8BlockScaledMMLinearKernel
 from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import FP8ScaledMMLinearLayerConfig
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, register_weight_loader_v2_supported_method
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
@@ -26,7 +29,7 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
     CompressedTensorsLinearMethod,
 )
 from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A8Fp8
-from vllm.model_executor.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
+from vllm.model_executor.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod, Fp8MoEMethod
 from vllm.model_executor.layers.quantization.online.fp8 import (
     Fp8PerBlockOnlineLinearMethod,
     Fp8PerBlockOnlineMoEMethod,
@@ -47,9 +50,11 @@ from common_kernels.fp8 import (
     block_fp8_linear,
     check_block_scales,
     check_checkpoint_scheme,
+    fused_moe_fp8,
     is_supported,
     quantize_linear_weight,
 )
+from common_kernels.guard import fp8_guard
 
 NAME = "latentspeed_fp8"
 BLOCK = [SCALE_BLOCK, SCALE_BLOCK]
@@ -153,6 +158,53 @@ class LatentspeedOnlineFp8LinearMethod(Fp8PerBlockOnlineLinearMethod):
         layer._already_called_process_weights_after_loading = True
 
 
+class _LatentspeedMoE:
+    """vLLM's block-FP8 MoE method with the routed experts computed by ``fused_moe_fp8``: vLLM
+    loads (and, for bf16 checkpoints, quantizes) the experts, routes, runs the shared experts,
+    applies ``routed_scaling_factor`` and reduces; ``apply`` returns the routed sum only."""
+
+    @property
+    def is_monolithic(self) -> bool:  # vLLM routes, then calls apply
+        return False
+
+    def maybe_make_prepare_finalize(self, routing_tables=None):
+        return None  # vLLM's own dispatch and combine around apply
+
+    def _setup_kernel(self, layer, w13, w2, w13_scale, w2_scale, w13_input_scale, w2_input_scale) -> None:
+        name = f"{NAME}: {getattr(layer, 'layer_name', None) or type(layer).__name__}"
+        unsupported = {
+            "an activation other than SiLU": layer.activation != MoEActivation.SILU,
+            "expert biases": self.moe.has_bias,
+            "clamped SwiGLU": any(getattr(layer, f"swiglu_{k}", None) is not None for k in ("limit", "alpha", "beta")),
+            "routing weights applied to the input": layer.apply_router_weight_on_input,
+            "static activation scales": w13_input_scale is not None or w2_input_scale is not None,
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise ValueError(f"{name}: {what} is not supported by latentspeed's fused MoE")
+        check_block_scales(f"{name} w13", w13.flatten(0, 1), w13_scale.flatten(0, 1))
+        check_block_scales(f"{name} w2", w2.flatten(0, 1), w2_scale.flatten(0, 1))
+        replace_parameter(layer, "w13_weight", w13)
+        replace_parameter(layer, "w2_weight", w2)
+        replace_parameter(layer, "w13_weight_scale_inv", w13_scale)
+        replace_parameter(layer, "w2_weight_scale_inv", w2_scale)
+        self.moe_quant_config = self.get_fused_moe_quant_config(layer)
+        self.moe_kernel = None
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        return fused_moe_fp8(x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight,
+                             layer.w2_weight_scale_inv, topk_weights, topk_ids, stats=fp8_guard(x.device).counters,
+                             expert_map=layer.expert_map, check_ids=False)
+
+
+class LatentspeedFp8MoEMethod(_LatentspeedMoE, Fp8MoEMethod):
+    """Serialized block-FP8 experts (``w13_weight_scale_inv`` / ``w2_weight_scale_inv``)."""
+
+
+class LatentspeedOnlineFp8MoEMethod(_LatentspeedMoE, Fp8PerBlockOnlineMoEMethod):
+    """bf16/fp16 experts quantized to 128 x 128 blocks by vLLM once loaded."""
+
+
 class LatentspeedCTConfig(CompressedTensorsConfig):
     """compressed-tensors checkpoints under ``--quantization latentspeed_fp8``: vLLM's loader and
     scheme selection (ignore lists, MoE, KV-cache scales), with the FP8 block linear layers on
@@ -212,8 +264,10 @@ class LatentspeedFp8Config(Fp8Config):
             if self.is_checkpoint_fp8_serialized:
                 return LatentspeedFp8LinearMethod(self)
             return LatentspeedOnlineFp8LinearMethod()
-        if isinstance(layer, RoutedExperts) and not self.is_checkpoint_fp8_serialized and not self._skipped(prefix):
-            return Fp8PerBlockOnlineMoEMethod(layer=layer)
+        if isinstance(layer, RoutedExperts) and not self._skipped(prefix):
+            if self.is_checkpoint_fp8_serialized:
+                return LatentspeedFp8MoEMethod(self, layer)
+            return LatentspeedOnlineFp8MoEMethod(layer=layer)
         return super().get_quant_method(layer, prefix)
 
     def _skipped(self, prefix: str) -> bool:

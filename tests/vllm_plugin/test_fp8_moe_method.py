@@ -1,0 +1,99 @@
+"""latentspeed_fp8's MoE method inside vLLM 0.26.0's own MoE layer and weight loaders on the CPU,
+called as vLLM's MoE runner calls it after routing (the router's top-k is a CUDA op); the fused
+MoE runs under Triton's interpreter against the reference."""
+
+import pytest
+import torch
+from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+
+from common_kernels.fp8.reference import fused_moe_fp8_ref, quantize_weight_blocks_ref
+from tests.helpers import assert_close
+from vllm_plugin.fp8 import LatentspeedFp8Config, LatentspeedFp8MoEMethod, LatentspeedOnlineFp8MoEMethod
+
+EXPERTS, TOP_K, HIDDEN, INTER = 4, 2, 256, 128
+
+
+def moe_layer(quant_config, **kwargs):
+    return FusedMoE(num_experts=EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, intermediate_size=INTER,
+                    params_dtype=torch.bfloat16, quant_config=quant_config, prefix="model.layers.1.mlp.experts",
+                    renormalize=True, **kwargs)
+
+
+def load_experts(runner, weights, scales=None):
+    """Each expert's gate (w1), up (w3) and down (w2) through the parameters' own weight loaders
+    (for bf16 checkpoints vLLM's online loading, which quantizes once the last expert arrives)."""
+    experts = runner.routed_experts
+    for e, per_shard in enumerate(weights):
+        for shard, w in per_shard.items():
+            names = [f"{'w2' if shard == 'w2' else 'w13'}_weight"]
+            names += [f"{names[0]}_scale_inv"] if scales is not None else []
+            for name, value in zip(names, (w, scales[e][shard] if scales is not None else None)):
+                param = getattr(experts, name)
+                param.weight_loader(param, value, name, shard, e)
+    if not experts.quant_method.uses_meta_device:
+        experts.quant_method.process_weights_after_loading(experts)
+
+
+def apply(runner, x, topk_weights, topk_ids):
+    """What vLLM's MoE runner calls after routing (its router's top-k is a CUDA op)."""
+    method = runner.routed_experts.quant_method
+    assert not method.is_monolithic and method.moe_kernel is None
+    return method.apply(runner.routed_experts, x, topk_weights, topk_ids, shared_experts=None,
+                        shared_experts_input=None)
+
+
+def routing(tokens):
+    weights, ids = torch.softmax(torch.randn(tokens, EXPERTS), -1).topk(TOP_K, dim=-1)
+    return weights, ids.to(torch.int32)
+
+
+def stacked(blocks):
+    w13 = torch.stack([torch.cat([b["w1"][0], b["w3"][0]]) for b in blocks])
+    s13 = torch.stack([torch.cat([b["w1"][1], b["w3"][1]]) for b in blocks])
+    return w13, s13, torch.stack([b["w2"][0] for b in blocks]), torch.stack([b["w2"][1] for b in blocks])
+
+
+@pytest.mark.parametrize("tokens", [1, 19])
+def test_deepseek_fp8_experts_run_on_latentspeeds_fused_moe(tp_group, tokens):
+    runner = moe_layer(tp_group.quant_config)
+    assert type(runner.routed_experts.quant_method) is LatentspeedFp8MoEMethod
+    shapes = {"w1": (INTER, HIDDEN), "w3": (INTER, HIDDEN), "w2": (HIDDEN, INTER)}
+    blocks = [{k: quantize_weight_blocks_ref(torch.randn(*s) * 0.05) for k, s in shapes.items()} for _ in range(EXPERTS)]
+    load_experts(runner, [{k: q for k, (q, _) in b.items()} for b in blocks],
+                 [{k: s for k, (_, s) in b.items()} for b in blocks])
+    x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16)
+    topk = routing(tokens)
+
+    out = apply(runner, x, *topk)
+
+    expected = fused_moe_fp8_ref(x, *stacked(blocks), *topk)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    assert_close(out, expected, atol=2e-2, rtol=2e-2, name="moe out")
+
+
+def test_bf16_experts_are_quantized_at_load_and_run_on_latentspeeds_fused_moe(tp_group):
+    runner = moe_layer(LatentspeedFp8Config())
+    assert type(runner.routed_experts.quant_method) is LatentspeedOnlineFp8MoEMethod
+    shapes = {"w1": (INTER, HIDDEN), "w3": (INTER, HIDDEN), "w2": (HIDDEN, INTER)}
+    weights = [{k: (torch.randn(*s) * 0.05).to(torch.bfloat16) for k, s in shapes.items()} for _ in range(EXPERTS)]
+    load_experts(runner, weights)
+    experts = runner.routed_experts
+    assert experts.w13_weight.dtype == torch.float8_e4m3fn and experts.w13_weight_scale_inv.shape == (EXPERTS, 2, 2)
+    x = torch.randn(5, HIDDEN, dtype=torch.bfloat16)
+    topk = routing(5)
+
+    out = apply(runner, x, *topk)
+
+    expected = fused_moe_fp8_ref(x, experts.w13_weight, experts.w13_weight_scale_inv, experts.w2_weight,
+                                 experts.w2_weight_scale_inv, *topk)
+    assert_close(out, expected, atol=2e-2, rtol=2e-2, name="moe out")
+    dequantized = experts.w2_weight[0].float() * experts.w2_weight_scale_inv[0].repeat_interleave(128, 0)
+    assert_close(dequantized, weights[0]["w2"].float(), atol=2e-3, rtol=7e-2, name="quantized w2")
+
+
+def test_unsupported_moe_layers_are_named(tp_group):
+    runner = moe_layer(LatentspeedFp8Config(), activation="gelu")
+    shapes = {"w1": (INTER, HIDDEN), "w3": (INTER, HIDDEN), "w2": (HIDDEN, INTER)}
+    with pytest.raises(ValueError, match="latentspeed_fp8: .*activation other than SiLU is not supported"):
+        load_experts(runner, [{k: torch.randn(*s).to(torch.bfloat16) for k, s in shapes.items()}
+                              for _ in range(EXPERTS)])
