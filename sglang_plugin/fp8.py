@@ -4,24 +4,28 @@ GEMM from ``common_kernels.fp8`` -- the same method name and math as in vLLM.
 
 Checkpoints: native DeepSeek-V3 FP8 (``weight_scale_inv``) and compressed-tensors FP8 block
 (``weight_scale``), claimed when the user asks for this method; bf16 checkpoints, whose linear
-layers are quantized to 128 x 128 blocks after loading. SGLang's classes load the weights; only
-``w8a8_block_fp8_linear`` is swapped. MoE experts stay SGLang's own (block FP8 for FP8
-checkpoints; its online per-tensor FP8 for bf16 ones), and DeepSeek's ``kv_b_proj`` is
-dequantized for weight absorption from the checkpoint's scales, as with SGLang's ``fp8``.
+layers and routed experts are quantized to 128 x 128 blocks after loading. SGLang's classes load
+the weights and route; the linear GEMM (``w8a8_block_fp8_linear`` swapped) and the routed experts
+(``common_kernels.fp8.fused_moe_fp8``) are latentspeed's. Compressed-tensors MoE layers stay
+SGLang's. DeepSeek's ``kv_b_proj`` is dequantized for weight absorption from the checkpoint's
+scales, as with SGLang's ``fp8``.
 """
 
 import torch
 from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 from sglang.srt.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A8Fp8
-from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
+from sglang.srt.layers.moe.utils import get_moe_a2a_backend, get_moe_runner_backend
+from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod, Fp8MoEMethod
 
 from common_kernels.fp8 import (
     SCALE_BLOCK,
     block_fp8_linear,
     check_block_scales,
     check_checkpoint_scheme,
+    fused_moe_fp8,
     quantize_linear_weight,
 )
+from common_kernels.guard import fp8_guard
 
 NAME = "latentspeed_fp8"
 BLOCK = [SCALE_BLOCK, SCALE_BLOCK]
@@ -57,6 +61,71 @@ class LatentspeedFp8LinearMethod(Fp8LinearMethod):
             return
         check_block_scales(name, layer.weight, layer.weight_scale_inv)
         super().process_weights_after_loading(layer)
+
+
+class LatentspeedFp8MoEMethod(Fp8MoEMethod):
+    """SGLang's FP8 MoE method with the routed experts on ``fused_moe_fp8``: SGLang loads the
+    experts, routes (fused shared experts are ordinary experts here) and reduces; bf16 experts are
+    quantized to 128 x 128 blocks once loaded. SGLang's runner applies ``routed_scaling_factor``
+    in its own kernels, so ``apply`` does too."""
+
+    def __init__(self, quant_config: Fp8Config):
+        super().__init__(quant_config)
+        backend, a2a = get_moe_runner_backend(), get_moe_a2a_backend()
+        if not (backend.is_auto() or backend.is_triton()) or not a2a.is_none() or self.use_mxfp8 \
+                or self.is_fp4_expert or self.is_deepgemm_moe_runner_backend_enabled():
+            raise ValueError(f"{NAME}: latentspeed's fused MoE needs --moe-runner-backend auto or triton, "
+                             "--moe-a2a-backend none and FP8 (not MXFP8/FP4) experts")
+
+    def create_moe_runner(self, layer, moe_runner_config):
+        config = moe_runner_config
+        unsupported = {
+            "an activation other than SiLU": config.activation != "silu" or not config.is_gated,
+            "routing weights applied to the input": config.apply_router_weight_on_input,
+            "clamped or scaled SwiGLU": any(getattr(config, f, None) is not None
+                                            for f in ("gemm1_alpha", "gemm1_clamp_limit", "swiglu_limit")),
+            "expert biases": getattr(layer, "with_bias", False),
+            "no_combine": config.no_combine,
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise ValueError(f"{NAME}: {getattr(layer, 'prefix', 'MoE layer')}: {what} is not supported by "
+                                 "latentspeed's fused MoE")
+        super().create_moe_runner(layer, moe_runner_config)  # keeps SGLang's runner config
+
+    def process_weights_after_loading(self, layer) -> None:
+        name = f"{NAME}: {getattr(layer, 'prefix', None) or type(layer).__name__}"
+        if not self.block_quant:  # a bf16 checkpoint
+            for w in ("w13", "w2"):
+                pairs = [quantize_linear_weight(f"{name} {w}[{e}]", expert) for e, expert in
+                         enumerate(getattr(layer, f"{w}_weight").data)]
+                setattr(layer, f"{w}_weight", torch.nn.Parameter(torch.stack([q for q, _ in pairs]),
+                                                                 requires_grad=False))
+                setattr(layer, f"{w}_weight_scale_inv", torch.nn.Parameter(torch.stack([s for _, s in pairs]),
+                                                                           requires_grad=False))
+            self.block_quant, self.weight_block_size = True, BLOCK
+        else:
+            for w in ("w13", "w2"):
+                scales = getattr(layer, f"{w}_weight_scale_inv")
+                for e, q in enumerate(getattr(layer, f"{w}_weight")):
+                    check_block_scales(f"{name} {w}[{e}]", q, scales[e])
+            super().process_weights_after_loading(layer)
+        experts, device = layer.w13_weight.shape[0], layer.w13_weight.device
+        # With expert parallelism SGLang hands over local ids, -1 for another rank's experts.
+        self.id_map = None if layer.moe_ep_size == 1 else torch.arange(-1, experts, dtype=torch.int32, device=device).roll(-1)
+
+    def apply(self, layer, dispatch_output):
+        from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+
+        x = dispatch_output.hidden_states
+        weights, ids, _ = dispatch_output.topk_output
+        scaling = self.moe_runner_config.routed_scaling_factor
+        if scaling is not None and scaling != 1.0:
+            weights = weights * scaling
+        out = fused_moe_fp8(x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight,
+                            layer.w2_weight_scale_inv, weights, ids, stats=fp8_guard(x.device).counters,
+                            expert_map=self.id_map, check_ids=False)
+        return StandardCombineInput(hidden_states=out)
 
 
 class LatentspeedCTW8A8Fp8(CompressedTensorsW8A8Fp8):
@@ -117,7 +186,11 @@ class LatentspeedFp8Config(Fp8Config):
 
     def get_quant_method(self, layer, prefix):
         method = super().get_quant_method(layer, prefix)
-        return LatentspeedFp8LinearMethod(self) if type(method) is Fp8LinearMethod else method
+        if type(method) is Fp8LinearMethod:
+            return LatentspeedFp8LinearMethod(self)
+        if type(method) is Fp8MoEMethod:
+            return LatentspeedFp8MoEMethod(self)
+        return method
 
 
 def register_quantization() -> None:
