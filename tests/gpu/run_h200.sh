@@ -41,6 +41,9 @@ for step in "$@"; do
       python3 -m benchmarks.reference_model.train --out "$refmodel" 2>&1 | tail -n 20 \
         && tar -C "$(dirname "$refmodel")" -cf - "$(basename "$refmodel")" | split -b 15m -d - "$out/refmodel.tar." \
         && cp "$refmodel/metrics.json" "$out/refmodel-metrics.json" ;;
+    sglang-serve)  # python -m sglang.launch_server --attention-backend latentspeed, a streamed completion
+      python3 tests/gpu/sglang_serve.py --model "$refmodel" --out "$out/sglang-serve.json" 2>&1 \
+        | tee "$out/sglang-serve.log" | grep -E '^\[serve\]|Error|error|Traceback' | tail -n 60 ;;
     refmodel-eval-vllm|refmodel-eval-sglang)  # the table of engine_eval.py; quantized checkpoints from $CHECKPOINTS
       engine=${step#refmodel-eval-}
       ckpts=(); for d in "${CHECKPOINTS:-/nonexistent}"/*/; do [ -f "$d/config.json" ] && ckpts+=(--checkpoint "$(basename "$d")=$d"); done
