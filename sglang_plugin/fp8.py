@@ -12,9 +12,9 @@ scales, as with SGLang's ``fp8``.
 """
 
 import torch
+from sglang.srt.layers.moe.utils import get_moe_a2a_backend, get_moe_runner_backend
 from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 from sglang.srt.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A8Fp8
-from sglang.srt.layers.moe.utils import get_moe_a2a_backend, get_moe_runner_backend
 from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod, Fp8MoEMethod
 
 from common_kernels.fp8 import (
