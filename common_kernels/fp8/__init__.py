@@ -1,11 +1,11 @@
-"""FP8 kernels: dynamic per-token-group activation quantization and the block-scaled W8A8 GEMM
+"""FP8 kernels: dynamic per-token-group and per-token activation quantization, the block-scaled W8A8 GEMM
 (DeepSeek-V3's 128 x 128 / 1 x 128 recipe) and the block-FP8 fused MoE, each beside its PyTorch
 reference, and the block-FP8 linear forward the engine adapters share."""
 
 from .gemm import SCALE_BLOCK, block_scaled_gemm
 from .linear import block_fp8_linear, check_block_scales, quantize_linear_weight
 from .moe import append_shared_experts, fused_moe_fp8
-from .quant import quantize_per_token_group, quantize_weight_blocks
+from .quant import quantize_per_token, quantize_per_token_group, quantize_weight_blocks
 from .support import check_checkpoint_scheme, is_supported
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "fused_moe_fp8",
     "is_supported",
     "quantize_linear_weight",
+    "quantize_per_token",
     "quantize_per_token_group",
     "quantize_weight_blocks",
 ]

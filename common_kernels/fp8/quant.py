@@ -1,4 +1,5 @@
-"""Dynamic per-token-group fp8 quantization of activations (DeepSeek-V3's 1 x 128 groups).
+"""Dynamic per-token-group fp8 quantization of activations (DeepSeek-V3's 1 x 128 groups), and
+per token (one scale per row: ``quantize_per_token``, the same formula with the row as its group).
 
 For row ``m`` and group ``g`` (columns ``[g * G, (g + 1) * G)``)::
 
@@ -92,6 +93,64 @@ def quantize_per_token_group(
             x, q, scales, stats if stats is not None else scales, cols, x.stride(0), q.stride(0), scales.stride(0), eps,
             GROUP=group_size, FP8_MAX=fp8_max, MANT_BITS=mant_bits, MIN_EXP=min_exp, POW2_SCALE=pow2_scale,
             TRACK_STATS=stats is not None,
+        )
+    return q, scales
+
+
+@triton.jit
+def _token_quant_kernel(
+    x_ptr, q_ptr, scale_ptr, stats_ptr, num_cols, stride_x_m, stride_q_m, eps,
+    BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+    POW2_SCALE: tl.constexpr, TRACK_STATS: tl.constexpr,
+):
+    """One row: its absolute maximum over ``BLOCK``-wide chunks, then the chunks quantized."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK], tl.float32)
+    nonfinite = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, num_cols, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x_m + offs, mask=offs < num_cols, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+        nonfinite += ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), eps), FP8_MAX)
+    if POW2_SCALE:
+        scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    for start in range(0, num_cols, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x_m + offs, mask=offs < num_cols, other=0.0).to(tl.float32)
+        y = round_to_fp8_grid(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX), MANT_BITS, MIN_EXP)
+        tl.store(q_ptr + row * stride_q_m + offs, y.to(q_ptr.dtype.element_ty), mask=offs < num_cols)
+    tl.store(scale_ptr + row, scale)
+    if TRACK_STATS:
+        tl.atomic_add(stats_ptr + 1, tl.sum(nonfinite, 0))
+
+
+def quantize_per_token(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    pow2_scale: bool = False,
+    eps: float = 1e-10,
+    stats: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each row of ``x [M, K]`` (any K) to fp8 with one scale per row.
+
+    Same arguments and formula as ``quantize_per_token_group`` with the whole row as the group.
+    Returns ``(q [M, K] fp8, scales [M, 1] fp32)``. Non-finite inputs are counted into
+    ``stats[1]`` when given (the row's scale then need not be finite).
+    """
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be a [M, K] tensor with a contiguous last dim, got {tuple(x.shape)}")
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dtype {fp8_dtype} is not supported: one of {FP8_DTYPES} is")
+    rows, cols = x.shape
+    q = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows and cols:
+        mant_bits, min_exp, fp8_max = fp8_grid(fp8_dtype)
+        _token_quant_kernel[(rows,)](
+            x, q, scales, stats if stats is not None else scales, cols, x.stride(0), q.stride(0), eps,
+            BLOCK=min(1024, triton.next_power_of_2(cols)), FP8_MAX=fp8_max, MANT_BITS=mant_bits, MIN_EXP=min_exp,
+            POW2_SCALE=pow2_scale, TRACK_STATS=stats is not None,
         )
     return q, scales
 

@@ -20,6 +20,12 @@ def quantize_per_token_group_ref(x: torch.Tensor, group_size: int = 128, fp8_dty
     return q, scales
 
 
+def quantize_per_token_ref(x: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, pow2_scale: bool = False,
+                           eps: float = 1e-10):
+    """Same contract as ``quantize_per_token``: the row is the group."""
+    return quantize_per_token_group_ref(x, max(1, x.shape[1]), fp8_dtype, pow2_scale, eps)
+
+
 def block_scaled_gemm_ref(a, a_scale, b, b_scale, out_dtype=torch.bfloat16, block: int = 128) -> torch.Tensor:
     """``(A * a_scale) @ (B * b_scale).T`` with per-block scales expanded, in fp32."""
     k = a.shape[1]

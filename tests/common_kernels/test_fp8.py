@@ -3,8 +3,13 @@
 import pytest
 import torch
 
-from common_kernels.fp8 import block_scaled_gemm, quantize_per_token_group, quantize_weight_blocks
-from common_kernels.fp8.reference import block_scaled_gemm_ref, quantize_per_token_group_ref, quantize_weight_blocks_ref
+from common_kernels.fp8 import block_scaled_gemm, quantize_per_token, quantize_per_token_group, quantize_weight_blocks
+from common_kernels.fp8.reference import (
+    block_scaled_gemm_ref,
+    quantize_per_token_group_ref,
+    quantize_per_token_ref,
+    quantize_weight_blocks_ref,
+)
 from tests.helpers import assert_close, device
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -31,6 +36,27 @@ def test_group_quant_counts_nonfinite_inputs():
     _, scales = quantize_per_token_group(x, 128, stats=stats)
     assert stats.tolist() == [0, 2]
     assert not torch.isfinite(scales[2, 1]) and torch.isfinite(scales[1]).all()
+
+
+@pytest.mark.parametrize("fp8_name", FP8.keys())
+@pytest.mark.parametrize("shape", [(5, 3000), (1, 7), (4, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("pow2_scale", [False, True], ids=["scale", "pow2_scale"])
+def test_token_quant_matches_reference(fp8_name, shape, pow2_scale):
+    """Rows longer than one 1024-wide chunk (3000), shorter than a tile (7), exactly one (1024)."""
+    x = torch.randn(shape, device=device()) * torch.logspace(-2, 2, shape[0], device=device())[:, None]
+    q, scales = quantize_per_token(x.bfloat16(), FP8[fp8_name], pow2_scale)
+    q_ref, scales_ref = quantize_per_token_ref(x.bfloat16(), FP8[fp8_name], pow2_scale)
+    assert scales.shape == (shape[0], 1)
+    assert_close(scales, scales_ref, atol=0, rtol=0, name="scales")
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), "fp8 codes differ from the reference"
+
+
+def test_token_quant_counts_nonfinite_inputs():
+    x = torch.randn(3, 2500, device=device())
+    x[0, 5], x[2, 2200] = float("nan"), float("inf")
+    stats = torch.zeros(2, dtype=torch.int32, device=device())
+    _, scales = quantize_per_token(x, stats=stats)
+    assert stats.tolist() == [0, 2] and torch.isfinite(scales[1]).all()
 
 
 @pytest.mark.parametrize("fp8_name", FP8.keys())

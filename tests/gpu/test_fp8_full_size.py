@@ -3,8 +3,13 @@
 import pytest
 import torch
 
-from common_kernels.fp8 import block_scaled_gemm, quantize_per_token_group
-from common_kernels.fp8.reference import block_scaled_gemm_ref, quantize_per_token_group_ref, quantize_weight_blocks_ref
+from common_kernels.fp8 import block_scaled_gemm, quantize_per_token, quantize_per_token_group
+from common_kernels.fp8.reference import (
+    block_scaled_gemm_ref,
+    quantize_per_token_group_ref,
+    quantize_per_token_ref,
+    quantize_weight_blocks_ref,
+)
 from tests.helpers import assert_close
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -24,6 +29,14 @@ def test_block_scaled_gemm_deepseek_shapes(m, n, k):
     # bf16 output rounding (half an ulp: 2^-9 relative) plus fp32 sums over K <= 16384 in another
     # order: near-zero outputs may differ by ~1e-3 of the largest output.
     assert_close(out, expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2, name="gemm")
+
+
+@pytest.mark.parametrize("k", [7168, 18432, 2112])
+def test_token_quant_deepseek_widths(k):
+    x = torch.randn(512, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-2, 2, 512, device="cuda")[:, None]
+    q, scales = quantize_per_token(x)
+    q_ref, scales_ref = quantize_per_token_ref(x)
+    assert torch.equal(scales, scales_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
 @pytest.mark.parametrize("tokens", [1, 64, 512])
