@@ -36,10 +36,14 @@ def server_args(tmp_path_factory):
 
 
 def moe_layer(quant_config, scaling=1.0, **kwargs):
-    with get_parallel().override(tp_size=1, tp_rank=0, moe_ep_size=1, moe_ep_rank=0, moe_tp_size=1, moe_tp_rank=0):
+    with single_rank():
         return FusedMoE(num_experts=EXPERTS, hidden_size=HIDDEN, intermediate_size=INTER, layer_id=1, top_k=TOP_K,
                         params_dtype=torch.bfloat16, quant_config=quant_config, prefix="model.layers.1.mlp.experts",
                         routed_scaling_factor=scaling, **kwargs)
+
+
+def single_rank():
+    return get_parallel().override(tp_size=1, tp_rank=0, moe_ep_size=1, moe_ep_rank=0, moe_tp_size=1, moe_tp_rank=0)
 
 
 def load_experts(layer, weights, scales=None):
@@ -96,6 +100,27 @@ def test_bf16_experts_are_quantized_after_loading():
     expected = fused_moe_fp8_ref(x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight,
                                  layer.w2_weight_scale_inv, weights_k, ids)
     assert_close(apply(layer, x, weights_k, ids), expected, atol=2e-2, rtol=2e-2, name="moe out")
+
+
+def test_expert_parallel_rank_leaves_other_ranks_experts_out():
+    """Rank 1 of 2 holds global experts 2 and 3; SGLang's dispatcher hands it local ids, -1 elsewhere."""
+    with get_parallel().override(tp_size=2, tp_rank=1, moe_ep_size=2, moe_ep_rank=1, moe_tp_size=1, moe_tp_rank=0):
+        layer = FusedMoE(num_experts=EXPERTS, hidden_size=HIDDEN, intermediate_size=INTER, layer_id=1, top_k=TOP_K,
+                         params_dtype=torch.bfloat16, quant_config=LatentspeedFp8Config(),
+                         prefix="model.layers.1.mlp.experts")
+        weights = [{k: (torch.randn(*s) * 0.05).to(torch.bfloat16) for k, s in SHAPES.items()} for _ in range(EXPERTS)]
+        load_experts(layer, weights)  # the loader keeps this rank's experts only
+    assert layer.w13_weight.shape[0] == 2
+    x = torch.randn(7, HIDDEN, dtype=torch.bfloat16)
+    weights_k, global_ids = routing(7)
+    local_ids = torch.where(global_ids >= 2, global_ids - 2, -1).to(torch.int32)
+
+    out = apply(layer, x, weights_k, local_ids)
+
+    expected = fused_moe_fp8_ref(x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight,
+                                 layer.w2_weight_scale_inv, weights_k, global_ids,
+                                 expert_map=torch.tensor([-1, -1, 0, 1]))
+    assert_close(out, expected, atol=2e-2, rtol=2e-2, name="ep out")
 
 
 def test_nonfinite_bf16_experts_and_unsupported_variants_are_named():
