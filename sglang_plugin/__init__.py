@@ -3,7 +3,8 @@
 ``register()`` is the ``sglang.srt.plugins`` entry point; SGLang calls it in the launcher
 before parsing arguments and again in every scheduler process. It adds ``latentspeed`` to
 the ``--attention-backend`` choices (also ``--decode-attention-backend`` /
-``--prefill-attention-backend``) and registers the backend factory, and adds the quantization
+``--prefill-attention-backend``) and to the backends that take MHA over chunks of a cached
+prefix, registers the backend factory, and adds the quantization
 method ``latentspeed_fp8`` (``sglang_plugin/fp8.py``). The DeepSeek tables are
 filled when the factory first runs, in the scheduler, so the launcher never imports models.
 """
@@ -21,10 +22,17 @@ def register() -> None:
 
     check_sglang()
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
-    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from sglang.srt.server_args import (
+        ATTENTION_BACKEND_CHOICES,
+        CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS,
+        add_attention_backend_choices,
+        add_chunked_prefix_cache_attention_backend,
+    )
 
     if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([BACKEND_NAME])
+    if BACKEND_NAME not in CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS:  # else SGLang never takes MHA over a prefix
+        add_chunked_prefix_cache_attention_backend(BACKEND_NAME)
     register_attention_backend(BACKEND_NAME)(create_backend)
     from .fp8 import register_quantization
 

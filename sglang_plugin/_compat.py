@@ -18,7 +18,7 @@ def check_sglang() -> str:
     missing = []
     for module, names in (
         ("sglang.srt.layers.attention.attention_registry", ("register_attention_backend", "ATTENTION_BACKENDS")),
-        ("sglang.srt.server_args", ("add_attention_backend_choices",)),
+        ("sglang.srt.server_args", ("add_attention_backend_choices", "add_chunked_prefix_cache_attention_backend")),
         ("sglang.srt.layers.attention.base_attn_backend", ("AttentionBackend",)),
     ):
         try:

@@ -9,7 +9,11 @@ import pytest
 sglang = pytest.importorskip("sglang")
 
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
-from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, ServerArgs  # noqa: E402
+from sglang.srt.server_args import (  # noqa: E402
+    ATTENTION_BACKEND_CHOICES,
+    CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS,
+    ServerArgs,
+)
 
 import sglang_plugin  # noqa: E402
 from sglang_plugin import _compat  # noqa: E402
@@ -30,16 +34,18 @@ def test_register_twice_is_harmless():
     sglang_plugin.register()
     assert ATTENTION_BACKEND_CHOICES.count("latentspeed") == 1
     assert ATTENTION_BACKENDS["latentspeed"] is sglang_plugin.create_backend
+    assert CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS.count("latentspeed") == 1  # MHA over long prefixes
 
 
 def _load_in_child(queue):
     # What SGLang's scheduler process does first (scheduler.py: run_scheduler_process).
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS
 
     load_plugins()
-    queue.put(("latentspeed" in ATTENTION_BACKENDS, "latentspeed" in ATTENTION_BACKEND_CHOICES))
+    queue.put(("latentspeed" in ATTENTION_BACKENDS, "latentspeed" in ATTENTION_BACKEND_CHOICES,
+               "latentspeed" in CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS))
 
 
 def test_plugin_loads_in_a_spawned_child_process():
@@ -47,10 +53,10 @@ def test_plugin_loads_in_a_spawned_child_process():
     queue = ctx.Queue()
     child = ctx.Process(target=_load_in_child, args=(queue,))
     child.start()
-    registered, choice = queue.get(timeout=300)
+    registered, choice, chunked_prefix = queue.get(timeout=300)
     child.join(timeout=60)
     assert child.exitcode == 0
-    assert registered and choice
+    assert registered and choice and chunked_prefix
 
 
 @pytest.mark.parametrize("flag", ["--attention-backend", "--decode-attention-backend", "--prefill-attention-backend"])
