@@ -110,9 +110,10 @@ class LatentspeedFp8MoEMethod(Fp8MoEMethod):
                 for e, q in enumerate(getattr(layer, f"{w}_weight")):
                     check_block_scales(f"{name} {w}[{e}]", q, scales[e])
             super().process_weights_after_loading(layer)
-        experts, device = layer.w13_weight.shape[0], layer.w13_weight.device
-        # With expert parallelism SGLang hands over local ids, -1 for another rank's experts.
-        self.id_map = None if layer.moe_ep_size == 1 else torch.arange(-1, experts, dtype=torch.int32, device=device).roll(-1)
+        # With expert parallelism SGLang hands over local ids, -1 for another rank's experts: the map
+        # [0, 1, ..., E - 1, -1] keeps the local ids and sends -1 (its last entry) to -1.
+        local = torch.arange(-1, layer.w13_weight.shape[0], dtype=torch.int32, device=layer.w13_weight.device)
+        self.id_map = None if layer.moe_ep_size == 1 else local.roll(-1)
 
     def apply(self, layer, dispatch_output):
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
