@@ -182,8 +182,9 @@ class _LatentspeedMoE:
         for what, present in unsupported.items():
             if present:
                 raise ValueError(f"{name}: {what} is not supported by latentspeed's fused MoE")
-        check_block_scales(f"{name} w13", w13.flatten(0, 1), w13_scale.flatten(0, 1))
-        check_block_scales(f"{name} w2", w2.flatten(0, 1), w2_scale.flatten(0, 1))
+        for w, (weights, scales) in {"w13": (w13, w13_scale), "w2": (w2, w2_scale)}.items():
+            for e in range(weights.shape[0]):
+                check_block_scales(f"{name} {w}[{e}]", weights[e], scales[e])
         replace_parameter(layer, "w13_weight", w13)
         replace_parameter(layer, "w2_weight", w2)
         replace_parameter(layer, "w13_weight_scale_inv", w13_scale)

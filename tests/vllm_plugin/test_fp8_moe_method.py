@@ -97,3 +97,13 @@ def test_unsupported_moe_layers_are_named(tp_group):
     with pytest.raises(ValueError, match="latentspeed_fp8: .*activation other than SiLU is not supported"):
         load_experts(runner, [{k: torch.randn(*s).to(torch.bfloat16) for k, s in shapes.items()}
                               for _ in range(EXPERTS)])
+
+
+def test_bad_expert_scales_are_named(tp_group):
+    runner = moe_layer(tp_group.quant_config)
+    shapes = {"w1": (INTER, HIDDEN), "w3": (INTER, HIDDEN), "w2": (HIDDEN, INTER)}
+    blocks = [{k: quantize_weight_blocks_ref(torch.randn(*s) * 0.05) for k, s in shapes.items()} for _ in range(EXPERTS)]
+    blocks[3]["w2"][1][1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"w2\[3\].*not finite and positive"):
+        load_experts(runner, [{k: q for k, (q, _) in b.items()} for b in blocks],
+                     [{k: s for k, (_, s) in b.items()} for b in blocks])
