@@ -107,3 +107,22 @@ def test_bad_expert_scales_are_named(tp_group):
     with pytest.raises(ValueError, match=r"w2\[3\].*not finite and positive"):
         load_experts(runner, [{k: q for k, (q, _) in b.items()} for b in blocks],
                      [{k: s for k, (_, s) in b.items()} for b in blocks])
+
+
+def test_expert_map_leaves_other_ranks_experts_out(tp_group):
+    """Under expert parallelism vLLM hands apply global ids and the layer's expert map (-1: on
+    another rank); here the map is set by hand on a single-rank layer."""
+    runner = moe_layer(tp_group.quant_config)
+    shapes = {"w1": (INTER, HIDDEN), "w3": (INTER, HIDDEN), "w2": (HIDDEN, INTER)}
+    blocks = [{k: quantize_weight_blocks_ref(torch.randn(*s) * 0.05) for k, s in shapes.items()} for _ in range(EXPERTS)]
+    load_experts(runner, [{k: q for k, (q, _) in b.items()} for b in blocks],
+                 [{k: s for k, (_, s) in b.items()} for b in blocks])
+    expert_map = torch.tensor([-1, 0, 1, -1], dtype=torch.int32)
+    runner.routed_experts._expert_map = expert_map
+    x = torch.randn(6, HIDDEN, dtype=torch.bfloat16)
+    topk = routing(6)
+
+    out = apply(runner, x, *topk)
+
+    expected = fused_moe_fp8_ref(x, *stacked(blocks), *topk, expert_map=expert_map)
+    assert_close(out, expected, atol=2e-2, rtol=2e-2, name="ep out")
