@@ -18,10 +18,12 @@ from sglang.srt.layers.quantization.compressed_tensors.schemes import Compressed
 from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod, Fp8MoEMethod
 
 from common_kernels.fp8 import (
+    MIN_CAPABILITY,
     SCALE_BLOCK,
     block_fp8_linear,
     check_block_scales,
     check_checkpoint_scheme,
+    claims_checkpoint,
     fused_moe_fp8,
     quantize_linear_weight,
 )
@@ -172,7 +174,7 @@ class LatentspeedFp8Config(Fp8Config):
 
     @classmethod
     def get_min_capability(cls) -> int:
-        return 89
+        return MIN_CAPABILITY[0] * 10 + MIN_CAPABILITY[1]
 
     @classmethod
     def from_config(cls, config: dict):
@@ -182,8 +184,7 @@ class LatentspeedFp8Config(Fp8Config):
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant):
-        claimed = isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") in ("fp8", "compressed-tensors")
-        return NAME if user_quant == NAME and claimed else None
+        return NAME if claims_checkpoint(hf_quant_cfg, user_quant, NAME) else None
 
     def get_quant_method(self, layer, prefix):
         method = super().get_quant_method(layer, prefix)

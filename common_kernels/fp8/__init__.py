@@ -6,15 +6,17 @@ from .gemm import SCALE_BLOCK, block_scaled_gemm
 from .linear import block_fp8_linear, check_block_scales, quantize_linear_weight
 from .moe import append_shared_experts, fused_moe_fp8
 from .quant import quantize_per_token, quantize_per_token_group, quantize_weight_blocks
-from .support import check_checkpoint_scheme, is_supported
+from .support import MIN_CAPABILITY, check_checkpoint_scheme, claims_checkpoint, is_supported
 
 __all__ = [
+    "MIN_CAPABILITY",
     "SCALE_BLOCK",
     "append_shared_experts",
     "block_fp8_linear",
     "block_scaled_gemm",
     "check_checkpoint_scheme",
     "check_block_scales",
+    "claims_checkpoint",
     "fused_moe_fp8",
     "is_supported",
     "quantize_linear_weight",

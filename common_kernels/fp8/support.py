@@ -6,6 +6,14 @@ from ..fp8_format import FP8_DTYPES
 from .gemm import SCALE_BLOCK
 
 MIN_CAPABILITY = (8, 9)  # fp8 tensor-core dots
+CLAIMED_QUANT_METHODS = ("fp8", "compressed-tensors")  # checkpoint formats the FP8 method loads
+
+
+def claims_checkpoint(hf_quant_cfg, user_quant: str | None, method: str) -> bool:
+    """Whether ``method`` takes over a checkpoint's quantization config: only when the user asked
+    for it (``--quantization method``) and the checkpoint is in a format it loads."""
+    return user_quant == method and isinstance(hf_quant_cfg, dict) and hf_quant_cfg.get("quant_method") in \
+        CLAIMED_QUANT_METHODS
 
 
 def is_supported(
