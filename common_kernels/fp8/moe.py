@@ -198,6 +198,6 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     down = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
     _moe_gemm(h, h_scale, w2, w2_scale, down, sorted_ids, block_expert, weights, 1, False, True)
     down = down.view(tokens, top_k, hidden)
-    if expert_map is not None:
-        down = torch.where((ids >= 0)[..., None], down, 0.0)
+    if expert_map is not None:  # left-out pairs' rows were never written
+        down.masked_fill_((ids < 0)[..., None], 0.0)
     return down.sum(1).to(x.dtype)
