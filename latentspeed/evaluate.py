@@ -64,9 +64,8 @@ def _chunks(windows):
         yield windows[start : start + CHUNK]
 
 
-def _score_vllm(spec: dict) -> list[list[Position]]:
-    from vllm import LLM, SamplingParams, TokensPrompt
-
+def vllm_kwargs(spec: dict, gpu_bytes: int) -> dict:
+    """``vllm.LLM``'s arguments for a scoring spec on a GPU of ``gpu_bytes``."""
     kwargs = dict(model=spec["model"], kv_cache_dtype=spec["kv_cache_dtype"], quantization=spec["quantization"],
                   max_model_len=max(map(len, spec["windows"])) + 1, seed=0, enforce_eager=spec.get("eager", False))
     if spec["attention_backend"]:
@@ -76,7 +75,17 @@ def _score_vllm(spec: dict) -> list[list[Position]]:
     if spec.get("prefill_chunk"):
         kwargs.update(enable_chunked_prefill=True, max_num_batched_tokens=spec["prefill_chunk"],
                       max_num_seqs=min(256, spec["prefill_chunk"]))
-    llm = LLM(**kwargs)
+    if (share := spec.get("gpu_share", 1)) > 1:
+        # A fixed cache size skips vLLM's memory profiling, which other processes' frees would upset.
+        kwargs.update(gpu_memory_utilization=0.9 / share, kv_cache_memory_bytes=int(0.4 * gpu_bytes / share))
+    return kwargs
+
+
+def _score_vllm(spec: dict) -> list[list[Position]]:
+    import torch
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    llm = LLM(**vllm_kwargs(spec, torch.cuda.get_device_properties(0).total_memory))
     params = SamplingParams(max_tokens=1, prompt_logprobs=spec["top_k"], temperature=0.0)
     runs = []
     for chunk in _chunks(spec["windows"]):
@@ -88,16 +97,24 @@ def _score_vllm(spec: dict) -> list[list[Position]]:
     return runs
 
 
-def _score_sglang(spec: dict) -> list[list[Position]]:
-    import sglang as sgl
-
+def sglang_kwargs(spec: dict) -> dict:
+    """``sglang.Engine``'s arguments for a scoring spec."""
     kwargs = dict(model_path=spec["model"], kv_cache_dtype=spec["kv_cache_dtype"], quantization=spec["quantization"],
                   random_seed=0, disable_cuda_graph=spec.get("eager", False),
                   chunked_prefill_size=spec.get("prefill_chunk") or None)
     if spec["attention_backend"]:
         kwargs["attention_backend"] = spec["attention_backend"]
         kwargs["page_size"] = 64 if spec["attention_backend"] in PAGED_64 else None
-    engine = sgl.Engine(**kwargs)
+    if spec.get("gpu_share", 1) > 1:
+        # SGLang sizes its pool from the memory left free; with others on the GPU, cap it at what one call needs.
+        kwargs["max_total_tokens"] = CHUNK * max(map(len, spec["windows"])) + 4096
+    return kwargs
+
+
+def _score_sglang(spec: dict) -> list[list[Position]]:
+    import sglang as sgl
+
+    engine = sgl.Engine(**sglang_kwargs(spec))
     runs = []
     try:
         for chunk in _chunks(spec["windows"]):

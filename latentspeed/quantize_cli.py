@@ -4,6 +4,7 @@
     latentspeed quantize --model DIR --recipe NAME [--calib FILE] --out DIR [--num-samples N]
                          [--max-seq-len N] [--device cpu|cuda] [--overwrite]
     latentspeed quantize verify --model OUT --reference DIR [--calib FILE] [--json]
+    latentspeed quantize native-fp8 --model DIR --out DIR [--overwrite]
 """
 
 import json
@@ -13,7 +14,9 @@ from collections import Counter
 
 def add_parser(sub) -> None:
     q = sub.add_parser("quantize", help="calibrated compressed-tensors checkpoints (llm-compressor recipes)")
-    q.add_argument("action", nargs="?", choices=["verify"], help="verify: compare a quantized checkpoint with its reference")
+    q.add_argument("action", nargs="?", choices=["verify", "native-fp8"],
+                   help="verify: compare a quantized checkpoint with its reference; native-fp8: write a bf16 "
+                        "checkpoint in DeepSeek-V3's own block-FP8 format (no calibration, no llm-compressor)")
     q.add_argument("--list", action="store_true", help="list the recipes")
     q.add_argument("--model", help="checkpoint directory to quantize (verify: the quantized one)")
     q.add_argument("--recipe", help="recipe name (--list)")
@@ -38,11 +41,14 @@ def run(args) -> int:
         for recipe in RECIPES.values():
             print(f"{recipe.name:<14} {recipe.summary}{'  (calibrates: needs data)' if recipe.needs_data else ''}")
         return 0
-    needed = ("model", "reference") if args.action == "verify" else ("model", "recipe", "out")
+    needed = {"verify": ("model", "reference"), "native-fp8": ("model", "out")}.get(args.action, ("model", "recipe", "out"))
     missing = [f"--{name}" for name in needed if getattr(args, name) is None]
     if missing:
-        print(f"latentspeed quantize{' verify' if args.action else ''}: missing {', '.join(missing)}", file=sys.stderr)
+        print(f"latentspeed quantize{' ' + args.action if args.action else ''}: missing {', '.join(missing)}",
+              file=sys.stderr)
         return 2
+    if args.action == "native-fp8":
+        return _native_fp8(args)
     try:
         import llmcompressor  # noqa: F401
     except ImportError:
@@ -69,6 +75,24 @@ def run(args) -> int:
         print(format_verify(report))
     else:
         print(format_summary(report))
+    return 0
+
+
+def _native_fp8(args) -> int:
+    from quant_recipes.checkpoint import QuantizeError
+    from quant_recipes.native_fp8 import write_native_fp8
+
+    try:
+        report = write_native_fp8(args.model, args.out, args.overwrite, log=_log)
+    except QuantizeError as err:
+        print(f"latentspeed quantize: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        before, after = report["bytes_before"], report["bytes_after"]
+        print(f"native FP8 (128 x 128 blocks): {report['quantized']} weights quantized, {len(report['kept'])} tensors "
+              f"kept in {report['seconds']:.1f} s; {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB -> {args.out}")
     return 0
 
 

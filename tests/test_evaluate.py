@@ -105,3 +105,22 @@ def test_cli_reports_input_errors_without_a_traceback(tmp_path):
     )
     assert proc.returncode == 2
     assert "latentspeed eval:" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("share", [1, 4])
+def test_vllm_arguments_are_engine_args(share):
+    """Every argument a scoring run gives ``vllm.LLM`` is one of vLLM's engine arguments."""
+    from dataclasses import fields
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from latentspeed.evaluate import vllm_kwargs
+
+    spec = dict(model="m", kv_cache_dtype="fp8", quantization=None, attention_backend="CUSTOM", windows=[[1] * 512],
+                eager=True, prefill_chunk=128, gpu_share=share)
+    kwargs = vllm_kwargs(spec, 140 * 2**30)
+    assert set(kwargs) <= {f.name for f in fields(EngineArgs)}
+    assert kwargs["attention_config"] == {"backend": "CUSTOM", "mla_prefill_backend": "CUSTOM"}
+    assert ("kv_cache_memory_bytes" in kwargs) == (share > 1)
+    if share > 1:
+        assert kwargs["kv_cache_memory_bytes"] == 14 * 2**30 and kwargs["gpu_memory_utilization"] == pytest.approx(0.225)

@@ -5,7 +5,7 @@ and of the engine's own built-ins, in one table (issues #5 and #7).
         [--checkpoint fp8-block=/tmp/ckpt/fp8-block ...] --out eval-vllm.json
 
 Every row scores the same held-out windows (``heldout.txt`` beside the model unless ``--text``)
-with ``latentspeed eval``'s machinery, one engine process per row, no CUDA graphs, prefilling
+with ``latentspeed eval``'s machinery, one engine process per row (``--parallel`` at once), no CUDA graphs, prefilling
 ``--prefill-chunk`` tokens at a time so that later chunks read the KV cache in its own dtype.
 The first row, a built-in backend in bf16, is the reference of every other row: |Δ log-prob|,
 top-1 agreement and top-k KL. Built-in rows beside ours give the spread between two correct
@@ -16,6 +16,7 @@ The JSON is rewritten after every row, so a run cut short keeps what it measured
 import argparse
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from latentspeed.evaluate import load_windows, score_in_subprocess
@@ -47,15 +48,16 @@ BUILTIN_BACKEND = {engine: next(iter(runs.values()))[0] for engine, runs in RUNS
 
 def checkpoint_runs(engine: str, name: str, path: str) -> dict:
     """Rows for a quantized checkpoint: the stock engine (its scheme from the checkpoint's config,
-    the reference row's backend) and, for FP8 block weights, latentspeed's method and backend; a
-    calibrated KV scheme brings an fp8 cache."""
+    the reference row's backend) and, for FP8 block weights (compressed-tensors or DeepSeek-V3's
+    native format), latentspeed's method and backend; a calibrated KV scheme brings an fp8 cache."""
     config = json.loads(Path(path, "config.json").read_text())
     quant = config.get("quantization_config") or {}
     kv = ("fp8" if engine == "vllm" else "fp8_e4m3") if quant.get("kv_cache_scheme") else "auto"
     runs = {f"{name}: stock {engine}": (BUILTIN_BACKEND[engine], kv, None, path)}
     weights = [g.get("weights") or {} for g in (quant.get("config_groups") or {}).values()]
-    if weights and all(w.get("type") == "float" and w.get("num_bits") == 8 and w.get("strategy") == "block"
-                       for w in weights):
+    native_fp8 = quant.get("quant_method") == "fp8" and quant.get("weight_block_size") == [128, 128]
+    if native_fp8 or weights and all(w.get("type") == "float" and w.get("num_bits") == 8 and w.get("strategy") == "block"
+                                     for w in weights):
         runs[f"{name}: latentspeed_fp8, {OUR_BACKEND[engine]}"] = (OUR_BACKEND[engine], kv, "latentspeed_fp8", path)
     return runs
 
@@ -71,28 +73,35 @@ def evaluate_all(args) -> dict:
         runs.update(checkpoint_runs(args.engine, name, path))
     report = {"engine": args.engine, "model": args.model, "text": text, "windows": len(windows),
               "window": args.window, "prefill_chunk": args.prefill_chunk, "rows": []}
-    reference = None
-    for label, (backend, kv, quantization, model) in runs.items():
+
+    def score(backend, kv, quantization, model):
         spec = dict(engine=args.engine, model=model, attention_backend=backend, kv_cache_dtype=kv,
                     quantization=quantization, top_k=args.top_k, windows=windows, eager=True,
-                    prefill_chunk=args.prefill_chunk)
-        row = {"label": label, "attention_backend": backend, "kv_cache_dtype": kv, "quantization": quantization,
-               "model": model}
-        t0 = time.perf_counter()
+                    prefill_chunk=args.prefill_chunk, gpu_share=args.parallel)
+        started = time.perf_counter()
         try:
-            positions = score_in_subprocess(spec)
+            return score_in_subprocess(spec), None, time.perf_counter() - started
         except RuntimeError as err:
-            row["error"] = str(err)
-        else:
-            row["perplexity"] = perplexity(positions)
-            if reference is None:
-                reference = positions
+            return None, str(err), time.perf_counter() - started
+
+    reference = None
+    with ThreadPoolExecutor(args.parallel) as pool:
+        futures = {label: pool.submit(score, *run) for label, run in runs.items()}
+        for label, (backend, kv, quantization, model) in runs.items():  # in table order, each as it finishes
+            positions, error, seconds = futures[label].result()
+            row = {"label": label, "attention_backend": backend, "kv_cache_dtype": kv, "quantization": quantization,
+                   "model": model, "seconds": round(seconds, 1)}
+            if error:
+                row["error"] = error
             else:
-                row["agreement"] = agreement(reference, positions)
-        row["seconds"] = round(time.perf_counter() - t0, 1)
-        report["rows"].append(row)
-        print(format_row(row), flush=True)
-        Path(args.out).write_text(json.dumps(report, indent=1))
+                row["perplexity"] = perplexity(positions)
+                if reference is None:
+                    reference = positions
+                else:
+                    row["agreement"] = agreement(reference, positions)
+            report["rows"].append(row)
+            print(format_row(row), flush=True)
+            Path(args.out).write_text(json.dumps(report, indent=1))
     return report
 
 
@@ -120,6 +129,8 @@ def main(argv=None):
     parser.add_argument("--max-windows", type=int, default=64)
     parser.add_argument("--prefill-chunk", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="rows run at once, sharing the GPU (each engine's cache then sized for the windows)")
     parser.add_argument("--out", required=True)
     print("| run | perplexity | mean abs Δ log-prob | max | top-1 agreement | top-k KL |\n|---|---|---|---|---|---|",
           flush=True)

@@ -18,9 +18,11 @@ pytest.importorskip("llmcompressor")
 
 from compressed_tensors.utils.match import match_name  # noqa: E402
 from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 from quant_recipes import RECIPES  # noqa: E402
 from quant_recipes.checkpoint import QuantizeError  # noqa: E402
+from quant_recipes.native_fp8 import write_native_fp8  # noqa: E402
 from quant_recipes.quantize import REPORT_NAME, quantize  # noqa: E402
 from quant_recipes.verify import verify  # noqa: E402
 from tests.quant_recipes.tiny_models import tiny_deepseek_v3, tiny_qwen3_moe  # noqa: E402
@@ -179,28 +181,60 @@ def test_mla_kv_cache_scales_cover_the_latent_cache(quantized, models):
     assert config["kv_cache_scheme"]["num_bits"] == 8 and config["kv_cache_scheme"]["strategy"] == "tensor"
 
 
-def test_native_fp8_checkpoint_is_dequantized_first(models, tmp_path):
-    """A DeepSeek-V3 style FP8 checkpoint (weight_scale_inv per 128 x 128 block) as input."""
-    from safetensors.torch import load_file, save_file
+@pytest.fixture(scope="module")
+def native(models, tmp_path_factory):
+    """The tiny DeepSeek-V3 in DeepSeek-V3's own FP8 format (``latentspeed quantize native-fp8``)."""
+    out = tmp_path_factory.mktemp("native") / "native-fp8"
+    write_native_fp8(models["deepseek_v3"], out, log=lambda message: None)
+    return out
 
-    from common_kernels.fp8.reference import quantize_weight_blocks_ref
 
-    native = tmp_path / "native-fp8"
-    shutil.copytree(models["deepseek_v3"], native)
-    state = load_file(native / "model.safetensors")
-    for name in [n for n in state if "proj" in n and n.endswith(".weight") and state[n].dim() == 2]:
-        q, scale = quantize_weight_blocks_ref(state[name].float())
-        state[name], state[name.removesuffix("weight") + "weight_scale_inv"] = q, scale
-    save_file(state, native / "model.safetensors", metadata={"format": "pt"})
+def test_native_fp8_decodes_with_compressed_tensors(models, native, tmp_path):
+    """compressed-tensors' own block-FP8 dequantizer reads the writer's layout back to the weights."""
+    from compressed_tensors.entrypoints.convert import FP8BlockDequantizer, convert_checkpoint
+    from safetensors.torch import load_file
+
     config = json.loads((native / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128],
-                                     "activation_scheme": "dynamic", "fmt": "e4m3"}
-    (native / "config.json").write_text(json.dumps(config))
+    assert config["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                             "weight_block_size": [128, 128]}
+    names = tensors(native)
+    assert names["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"][0] == "F8_E4M3"
+    assert names["model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv"] == ("F32", [2, 2])  # 160 rows
+    assert names["model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"] == ("F32", [2, 2])
+    for kept in ("model.layers.1.mlp.gate.weight", "lm_head.weight", "model.embed_tokens.weight"):
+        assert names[kept][0] == "BF16", kept
+    decoded = tmp_path / "decoded"
+    convert_checkpoint(native, decoded, converter=FP8BlockDequantizer(targets=[r"re:.*proj.*"]), device="cpu")
+    original, back = load_file(models["deepseek_v3"] / "model.safetensors"), load_file(decoded / "model.safetensors")
+    assert original.keys() == back.keys()
+    for name, weight in original.items():
+        if "_proj" in name:
+            rel = ((back[name].float() - weight.float()).norm() / weight.float().norm()).item()
+            assert rel < 0.04, f"{name}: {rel:.4f}"  # E4M3 keeps 3 mantissa bits: about 2% RMS
+        else:
+            assert torch.equal(back[name], weight), name
+
+
+def test_native_fp8_checkpoint_is_dequantized_first(native, tmp_path):
     out = tmp_path / "requantized"
     quantize(native, "fp8-block", out, log=lambda message: None)
     names = tensors(out)
     assert scheme_of(names, "model.layers.1.self_attn.q_a_proj") == "fp8_block"
     assert not any(name.endswith("weight_scale_inv") for name in names)
+
+
+def test_native_fp8_refuses_what_it_cannot_write(models, native, tmp_path):
+    with pytest.raises(QuantizeError, match="already quantized"):
+        write_native_fp8(native, tmp_path / "twice")
+    with pytest.raises(QuantizeError, match="exists"):
+        write_native_fp8(models["deepseek_v3"], native)
+    broken = tmp_path / "broken"
+    shutil.copytree(models["deepseek_v3"], broken)
+    state = load_file(broken / "model.safetensors")
+    state["model.layers.0.mlp.up_proj.weight"][3, 5] = float("inf")
+    save_file(state, broken / "model.safetensors")
+    with pytest.raises(QuantizeError, match="model.layers.0.mlp.up_proj.weight has non-finite values"):
+        write_native_fp8(broken, tmp_path / "out")
 
 
 def test_verify_reports_layer_errors_and_kl(quantized, models):
@@ -250,3 +284,8 @@ def test_command_line(models, tmp_path, capsys):
     assert main(["quantize", "verify", "--model", str(out), "--reference", str(models["qwen3_moe"]),
                  "--num-samples", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] > 0
+    assert main(["quantize", "native-fp8", "--model", str(models["qwen3_moe"])]) == 2
+    assert "native-fp8: missing --out" in capsys.readouterr().err
+    assert main(["quantize", "native-fp8", "--model", str(models["qwen3_moe"]), "--out", str(tmp_path / "n")]) == 0
+    assert "weights quantized" in capsys.readouterr().out
+    assert tensors(tmp_path / "n")["model.layers.1.mlp.experts.0.up_proj.weight"][0] == "F8_E4M3"

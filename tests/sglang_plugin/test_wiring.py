@@ -86,3 +86,18 @@ def test_unsupported_sglang_version_is_named(monkeypatch):
     monkeypatch.setattr(_compat, "version", lambda name: "0.5.9")
     with pytest.raises(_compat.UnsupportedSglangError, match="supports SGLang 0.5.17; found SGLang 0.5.9"):
         _compat.check_sglang()
+
+
+@pytest.mark.parametrize("share", [1, 4])
+def test_eval_arguments_are_server_args(share):
+    """Every argument ``latentspeed eval`` gives ``sglang.Engine`` is one of SGLang's server arguments."""
+    from dataclasses import fields
+
+    from latentspeed.evaluate import sglang_kwargs
+
+    spec = dict(model="m", kv_cache_dtype="fp8_e4m3", quantization="latentspeed_fp8", attention_backend="latentspeed",
+                windows=[[1] * 512] * 3, eager=True, prefill_chunk=128, gpu_share=share)
+    kwargs = sglang_kwargs(spec)
+    assert set(kwargs) <= {f.name for f in fields(ServerArgs)}
+    assert kwargs["page_size"] == 64 and kwargs["disable_cuda_graph"]
+    assert kwargs.get("max_total_tokens") == (None if share == 1 else 16 * 512 + 4096)
