@@ -1,4 +1,5 @@
-"""Block-scaled fp8 GEMM time: latentspeed against vLLM's Triton, CUTLASS and DeepGEMM kernels and bf16 cuBLAS.
+"""Block-scaled fp8 GEMM time: latentspeed against vLLM's Triton, CUTLASS and DeepGEMM kernels, SGLang's
+Triton and CUTLASS kernels, and bf16 cuBLAS.
 
 DeepSeek-V3's linear shapes (N, K) at M = 1 ... 4096, one process, same weights for everyone:
 E4M3 weights with 128 x 128 block scales, activations quantized per 1 x 128 group by each
@@ -7,7 +8,7 @@ latentspeed's quantizer is timed on its own). CUDA-event medians (``triton.testi
 L2 flushed). FLOPs = 2·M·N·K. Every output is checked against the fp32 product of the
 dequantized operands.
 
-    python benchmarks/fp8_gemm.py --out benchmarks/results/fp8_gemm.json
+    python benchmarks/fp8_gemm.py --out benchmarks/results/fp8_gemm.json [--providers latentspeed SGLang-Triton ...]
 
 DeepGEMM runs with fp32 scales (``VLLM_USE_DEEP_GEMM_E8M0=0``), as in DeepSeek-V3's checkpoints;
 vLLM's default on an H200 would round them to powers of two.
@@ -25,6 +26,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from common_kernels.fp8 import block_scaled_gemm, quantize_per_token_group  # noqa: E402
+from common_kernels.fp8.gemm import gemm_config  # noqa: E402
 from common_kernels.fp8.reference import quantize_weight_blocks_ref  # noqa: E402
 
 SHAPES = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
@@ -72,18 +74,38 @@ def vllm_deep_gemm(x, w, ws):
     return run
 
 
+def sglang_triton(x, w, ws):
+    from sglang.kernels.ops.quantization.fp8_kernel import sglang_per_token_group_quant_fp8, w8a8_block_fp8_matmul_triton
+
+    a, a_s = sglang_per_token_group_quant_fp8(x, 128)
+    return lambda: w8a8_block_fp8_matmul_triton(a, w, a_s, ws, [128, 128], torch.bfloat16)
+
+
+def sglang_cutlass(x, w, ws):
+    from sglang.kernels.ops.gemm.fp8_blockwise_gemm import fp8_blockwise_scaled_mm
+    from sglang.kernels.ops.quantization.fp8_kernel import sglang_per_token_group_quant_fp8_row_padded
+
+    if w.shape[0] % 128 or w.shape[1] % 128:
+        return None  # SGLang's own rule: other shapes fall back to its Triton kernel
+    a, a_s = sglang_per_token_group_quant_fp8_row_padded(x, 128)  # the layout its linear layer hands over
+    return lambda: fp8_blockwise_scaled_mm(a, w.T, a_s, ws.T, out_dtype=torch.bfloat16)[: x.shape[0]]
+
+
 def cublas_bf16(x, w, ws):
     w_bf16 = (w.float() * ws.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]).bfloat16()
     return lambda: x @ w_bf16.T
 
 
 PROVIDERS = {"latentspeed": ours, "vLLM-Triton": vllm_triton, "vLLM-CUTLASS": vllm_cutlass,
-             "vLLM-DeepGEMM": vllm_deep_gemm, "cuBLAS-bf16": cublas_bf16}
+             "vLLM-DeepGEMM": vllm_deep_gemm, "SGLang-Triton": sglang_triton, "SGLang-CUTLASS": sglang_cutlass,
+             "cuBLAS-bf16": cublas_bf16}
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 128, 512, 4096])
+    parser.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(PROVIDERS),
+                        help="each engine's kernels need that engine on the path (vLLM and SGLang: one run each)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     rows = []
@@ -94,7 +116,8 @@ def main():
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ w_deq.T
             quant_us = triton.testing.do_bench(lambda: quantize_per_token_group(x), return_mode="median") * 1e3
-            for name, make in PROVIDERS.items():
+            for name in args.providers:
+                make = PROVIDERS[name]
                 try:
                     fn = make(x, w, ws)
                     if fn is None:
@@ -106,7 +129,7 @@ def main():
                     continue
                 row = dict(provider=name, m=m, n=n, k=k, us=us, tflop_s=2 * m * n * k / us / 1e6, rel_err=err)
                 if name == "latentspeed":
-                    row["quant_us"] = quant_us
+                    row.update(quant_us=quant_us, config=gemm_config(m, n, k, x.device))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     with open(args.out, "w") as f:

@@ -10,7 +10,11 @@ value. Output ``C [M, N]`` bf16 (or fp16). K need not be a multiple of 128: the 
 masked. The recipe: DeepSeek-V3 report (arXiv:2412.19437), section 3.3.
 """
 
+import functools
+import json
+import math
 import os
+from pathlib import Path
 
 import torch
 import triton
@@ -19,41 +23,26 @@ import triton.language as tl
 from ..fp8_format import FP8_DTYPES
 
 SCALE_BLOCK = 128
-
-_GEMM_CONFIGS = (
-    [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
-    if os.environ.get("TRITON_INTERPRET") == "1"
-    else [
-        # Small M (decode) wants narrow M tiles and wide N; large M, square tiles.
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
-        for m, n, w, st in ((16, 64, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3))
-    ]
-)
+CONFIG_DIR = Path(__file__).parent / "configs"
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "SPLIT_K", "GROUP_M", "num_warps", "num_stages")
 
 
-@triton.autotune(configs=_GEMM_CONFIGS, key=["M_BUCKET", "N", "K"])
 @triton.jit
 def _block_scaled_gemm_kernel(
-    a_ptr,
-    b_ptr,
-    c_ptr,
-    a_scale_ptr,
-    b_scale_ptr,
-    M,
-    N,
-    K,
-    stride_am,
-    stride_bn,
-    stride_cm,
-    stride_asm,
-    stride_bsn,
-    M_BUCKET: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr,
+    M, N, K, stride_am, stride_bn, stride_cm, stride_cs, stride_asm, stride_bsn,
+    splits, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """One ``BLOCK_M x BLOCK_N`` tile over the K blocks of split ``program_id(1)`` of ``splits``.
+    Tiles are ordered in groups of ``GROUP_M`` rows of tiles, so neighbouring programs share B in
+    L2. With ``splits > 1``, c is the fp32 ``[splits, M, N]`` partial of ``_split_k_sum_kernel``."""
+    pid, split = tl.program_id(0), tl.program_id(1)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group
+    pid_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -63,16 +52,67 @@ def _block_scaled_gemm_kernel(
     b_rows = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn
     a_scales = a_scale_ptr + offs_m.to(tl.int64) * stride_asm  # [BLOCK_M]
     b_scales = b_scale_ptr + (offs_n // BLOCK_K).to(tl.int64) * stride_bsn  # [BLOCK_N]
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_blocks, splits)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(split * per_split, tl.minimum(split * per_split + per_split, k_blocks)):
         mask_k = kb * BLOCK_K + offs_k < K
         a = tl.load(a_rows + kb * BLOCK_K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_rows + kb * BLOCK_K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         a_s = tl.load(a_scales + kb, mask=mask_m, other=0.0)
         b_s = tl.load(b_scales + kb, mask=mask_n, other=0.0)
         acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]  # [BLOCK_M, BLOCK_N]
-    c = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    c = c_ptr + split.to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _split_k_sum_kernel(partial_ptr, c_ptr, M, N, stride_cm, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """``c = sum over splits of partial[split]`` (fp32 ``[SPLIT_K, M, N]``), in c's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        acc += tl.load(partial_ptr + split * M * N + offs, mask=mask, other=0.0)
+    tl.store(c_ptr + (offs // N) * stride_cm + offs % N, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def default_config(m: int, n: int, k: int, sms: int) -> dict:
+    """A config for shapes no tuned table covers: tile by M, then split K until the tiles fill
+    the GPU twice over (small M reads the whole weight: every SM must stream), keeping at least
+    four K blocks per split."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    block_n = 64 if m <= 64 else 128
+    tiles, k_blocks, split = triton.cdiv(m, block_m) * triton.cdiv(n, block_n), triton.cdiv(k, SCALE_BLOCK), 1
+    while tiles * split < 2 * sms and k_blocks // (2 * split) >= 4:
+        split *= 2
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split, GROUP_M=8, num_warps=8 if block_m == 128 else 4,
+                num_stages=3 if block_m == 128 else 4)
+
+
+@functools.cache
+def _tuned_table(device_name: str) -> dict:
+    """``{"N,K": {"M": config}}`` tuned on this GPU (``benchmarks/tune_fp8_gemm.py``), or empty.
+    ``LATENTSPEED_FP8_GEMM_CONFIGS`` names another file."""
+    path = Path(os.environ.get("LATENTSPEED_FP8_GEMM_CONFIGS") or CONFIG_DIR / f"gemm_{device_name.replace(' ', '_')}.json")
+    return json.loads(path.read_text())["configs"] if path.is_file() else {}
+
+
+def nearest_tuned(by_m: dict, m: int) -> dict:
+    """The entry of ``{"M": config}`` whose M is nearest to ``m`` in log scale."""
+    return by_m[min(by_m, key=lambda tuned: abs(math.log2(int(tuned) / max(m, 1))))]
+
+
+@functools.lru_cache(maxsize=4096)
+def gemm_config(m: int, n: int, k: int, device: torch.device) -> dict:
+    """The launch config for ``[m, k] x [n, k]``: the tuned table's (``nearest_tuned``) for this
+    (N, K) on this GPU, else ``default_config``; on the CPU (Triton's interpreter) small tiles and
+    two K splits, so that tests run both paths."""
+    if device.type != "cuda":
+        return dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=2 if k > SCALE_BLOCK else 1, GROUP_M=2, num_warps=4, num_stages=1)
+    props = torch.cuda.get_device_properties(device)
+    by_m = _tuned_table(props.name).get(f"{n},{k}")
+    return nearest_tuned(by_m, m) if by_m else default_config(m, n, k, props.multi_processor_count)
 
 
 def block_scaled_gemm(
@@ -82,6 +122,7 @@ def block_scaled_gemm(
     b_scale: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """``C = (A * a_scale) @ (B * b_scale).T`` with the scales applied per 128-wide K block.
 
@@ -91,6 +132,8 @@ def block_scaled_gemm(
         b: ``[N, K]`` fp8, last dim contiguous (an ``nn.Linear`` weight).
         b_scale: ``[cdiv(N, 128), cdiv(K, 128)]`` fp32, one scale per 128 x 128 block.
         out_dtype: bf16 or fp16. ``out``: optional ``[M, N]`` buffer, last dim contiguous.
+        config: launch parameters (``CONFIG_KEYS``); default ``gemm_config``, a table tuned per
+            GPU and (N, K), then a heuristic. ``SPLIT_K > 1`` sums fp32 partials in a second kernel.
 
     Returns ``C [M, N]``. Raises ``ValueError`` naming any shape, dtype or layout mismatch.
     """
@@ -111,12 +154,21 @@ def block_scaled_gemm(
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m and n:
-
-        def grid(meta):
-            return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"])
-
-        _block_scaled_gemm_kernel[grid](
-            a, b, out, a_scale, b_scale, m, n, k, a.stride(0), b.stride(0), out.stride(0),
-            a_scale.stride(0), b_scale.stride(0), M_BUCKET=triton.next_power_of_2(m), BLOCK_K=SCALE_BLOCK,
-        )
+        _launch(a, a_scale, b, b_scale, out, config or gemm_config(m, n, k, a.device))
     return out
+
+
+def _launch(a, a_scale, b, b_scale, out, config: dict) -> None:
+    (m, k), n = a.shape, b.shape[0]
+    split = config["SPLIT_K"]
+    partial = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=a.device)
+    grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split)
+    _block_scaled_gemm_kernel[grid](
+        a, b, partial, a_scale, b_scale, m, n, k, a.stride(0), b.stride(0),
+        out.stride(0) if split == 1 else n, partial.stride(0) if split > 1 else 0, a_scale.stride(0), b_scale.stride(0),
+        split, BLOCK_K=SCALE_BLOCK, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], GROUP_M=config["GROUP_M"],
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+    if split > 1:
+        block = 1024
+        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](partial, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block)

@@ -96,6 +96,38 @@ def test_block_scaled_gemm_matches_reference(m, n, k, out_dtype):
     assert ((out.float() - x @ w.T).norm() / (x @ w.T).norm()).item() < 0.08
 
 
+@pytest.mark.parametrize(
+    "config",
+    [dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=1, GROUP_M=1), dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=3, GROUP_M=2),
+     dict(BLOCK_M=32, BLOCK_N=32, SPLIT_K=8, GROUP_M=4)],
+    ids=["one_split", "three_uneven_splits", "more_splits_than_k_blocks"],
+)
+def test_block_scaled_gemm_configs_agree(config):
+    """Every launch shape (K splits, grouped tile order, a strided output) gives the reference's result."""
+    m, n, k = 37, 200, 5 * 128 - 64  # 3 row tiles of 16, 5 K blocks (the last one half)
+    a, a_scale = quantize_per_token_group_ref(torch.randn(m, k, device=device()))
+    b, b_scale = quantize_weight_blocks_ref(torch.randn(n, k, device=device()) * 0.05)
+    wide = torch.full((m, n + 24), float("nan"), dtype=torch.bfloat16, device=device())
+    out = wide[:, :n]
+
+    block_scaled_gemm(a, a_scale, b, b_scale, out=out, config=dict(config, num_warps=4, num_stages=1))
+
+    assert_close(out, block_scaled_gemm_ref(a, a_scale, b, b_scale, torch.float32), atol=1e-3, rtol=1e-2, name="gemm")
+    assert torch.isnan(wide[:, n:]).all()
+
+
+def test_gemm_config_choice():
+    from common_kernels.fp8.gemm import default_config, nearest_tuned
+
+    small, large = default_config(1, 2112, 7168, sms=132), default_config(4096, 2112, 7168, sms=132)
+    assert small["BLOCK_M"] == 16 and small["SPLIT_K"] == 8  # 33 tiles x 8 splits >= 2 x 132, 7 K blocks each
+    assert large["BLOCK_M"] == 128 and large["SPLIT_K"] == 1
+    assert default_config(1, 2112, 512, sms=132)["SPLIT_K"] == 1  # 4 K blocks: too few to split
+    table = {"1": "one", "64": "sixty-four", "4096": "big"}
+    assert [nearest_tuned(table, m) for m in (1, 5, 16, 200, 1000, 9000)] == ["one", "one", "sixty-four",
+                                                                                "sixty-four", "big", "big"]
+
+
 def test_block_scaled_gemm_rejects_malformed_scales():
     a, a_scale = quantize_per_token_group_ref(torch.randn(4, 256))
     b, b_scale = quantize_weight_blocks_ref(torch.randn(128, 256))

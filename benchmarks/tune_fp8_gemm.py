@@ -1,0 +1,92 @@
+"""Tune latentspeed's block-FP8 GEMM for this GPU: the fastest launch config per (N, K) and M.
+
+For each DeepSeek-V3 linear shape (``fp8_gemm.SHAPES``, or ``--shapes N,K ...``) and each M, every
+candidate (tile sizes, pipeline stages, warps, K splits; the space depends on M: split K and
+narrow tiles for small M, large tiles for large M) is compiled, checked against the reference
+on the same operands, and timed (CUDA-event median, L2 flushed). The winners are written as
+the table ``common_kernels.fp8.gemm`` reads (``configs/gemm_<GPU name>.json``, or the file that
+``LATENTSPEED_FP8_GEMM_CONFIGS`` names), with the time of each winner and of the untuned default.
+
+    python benchmarks/tune_fp8_gemm.py --out common_kernels/fp8/configs/gemm_NVIDIA_H200.json
+"""
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from benchmarks.fp8_gemm import SHAPES
+from common_kernels.fp8 import block_scaled_gemm, quantize_per_token_group
+from common_kernels.fp8.gemm import SCALE_BLOCK, default_config
+from common_kernels.fp8.reference import block_scaled_gemm_ref, quantize_weight_blocks_ref
+
+M_VALUES = [1, 16, 64, 128, 256, 512, 4096]
+
+
+def candidates(m: int, k: int):
+    k_blocks = triton.cdiv(k, SCALE_BLOCK)
+    if m <= 64:
+        space = itertools.product([bm for bm in (16, 32, 64) if bm >= min(m, 16) and (bm == 64 or bm >= m)],
+                                  (32, 64, 128), (3, 4), (4,), (1, 2, 4, 8, 16))
+    elif m <= 256:
+        space = [c for c in itertools.product((64, 128), (64, 128, 256), (3, 4), (4, 8), (1, 2, 4))
+                 if not (c[0] == 128 and c[1] == 256)]
+    else:
+        space = itertools.product((64, 128), (128, 256), (3, 4), (4, 8), (1,))
+    for bm, bn, stages, warps, split in space:
+        if split == 1 or k_blocks // split >= 2:
+            yield dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, GROUP_M=8, num_warps=warps, num_stages=stages)
+
+
+def tune_one(m: int, n: int, k: int, w, ws, sms: int) -> dict:
+    a, a_s = quantize_per_token_group(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    ref = block_scaled_gemm_ref(a, a_s, w, ws, torch.float32)
+    best, default = None, default_config(m, n, k, sms)
+    for config in [default, *candidates(m, k)]:
+        try:
+            out = block_scaled_gemm(a, a_s, w, ws, config=config)
+        except Exception as exc:  # e.g. triton's OutOfResources for too many stages of large tiles
+            print(f"  skip {config}: {type(exc).__name__}", file=sys.stderr)
+            continue
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        if not err < 1e-2:
+            raise SystemExit(f"config {config} is wrong at m={m} n={n} k={k}: relative error {err:.3g}")
+        us = triton.testing.do_bench(lambda: block_scaled_gemm(a, a_s, w, ws, config=config), warmup=5, rep=20,
+                                     return_mode="median") * 1e3
+        if config is default:
+            default_us = us
+        if best is None or us < best["us"]:
+            best = dict(config, us=round(us, 2))
+    return dict(best, default_us=round(default_us, 2))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=[f"{n},{k}" for n, k in SHAPES], metavar="N,K")
+    parser.add_argument("--m", type=int, nargs="+", default=M_VALUES)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    table, started = {}, time.perf_counter()
+    for shape in args.shapes:
+        n, k = map(int, shape.split(","))
+        w, ws = quantize_weight_blocks_ref(torch.randn(n, k, device="cuda") / k**0.5)
+        for m in args.m:
+            entry = tune_one(m, n, k, w, ws, props.multi_processor_count)
+            table.setdefault(shape, {})[str(m)] = entry
+            print(f"n={n} k={k} m={m}: {entry}", flush=True)
+        # Rewritten per shape, atomically: a cut-short run keeps what it tuned, and readers never see half a file.
+        partial = Path(f"{args.out}.partial")
+        partial.write_text(json.dumps({"device": props.name, "torch": torch.__version__, "triton": triton.__version__,
+                                       "seconds": round(time.perf_counter() - started), "configs": table}, indent=1))
+        os.replace(partial, args.out)
+
+
+if __name__ == "__main__":
+    main()
