@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench fp8-bench moe-bench e2e-bf16 e2e-fp8 e2e-w8 (vLLM bundle on
-#                                         PYTHONPATH), sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8 (SGLang bundle),
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench tune-gemm fp8-bench moe-bench e2e-bf16 e2e-fp8 e2e-w8 (vLLM
+#                                         bundle on PYTHONPATH), fp8-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8
+#                                         sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         refmodel (train the reference model; no engine needed),
 #                                         refmodel-eval-vllm refmodel-eval-sglang (its perplexity table, that engine staged)
 # REFMODEL (default /tmp/refmodel): the reference model's directory; CHECKPOINTS: a folder of its
 # quantized checkpoints (latentspeed quantize), added to the refmodel-eval tables; EVAL_ARGS: more
-# engine_eval.py options (e.g. --checkpoints-only).
+# engine_eval.py options (e.g. --checkpoints-only --parallel 4). tune-gemm writes the fp8 GEMM's tuned
+# table to $out and has the later steps use it (LATENTSPEED_FP8_GEMM_CONFIGS).
 # Logs and JSON land in $OUT (the device tool's output folder) or ./gpu-out.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -24,8 +26,17 @@ for step in "$@"; do
       python3 -m pytest -q -x tests/gpu -p no:warnings --durations=5 2>&1 | tail -n 30 | tee "$out/kernels.log" ;;
     bench)
       python3 benchmarks/mla_decode.py --out "$out/mla_decode.json" 2>&1 | tee "$out/bench.log" | tail -n 80 ;;
+    tune-gemm)
+      python3 -m benchmarks.tune_fp8_gemm --out "$out/gemm_configs.json" 2>"$out/tune-gemm.err" | tee "$out/tune-gemm.log" \
+        && export LATENTSPEED_FP8_GEMM_CONFIGS=$(realpath "$out")/gemm_configs.json ;;
     fp8-bench)
-      python3 benchmarks/fp8_gemm.py --out "$out/fp8_gemm.json" 2>&1 | tee "$out/fp8-bench.log" | tail -n 40 ;;
+      python3 benchmarks/fp8_gemm.py --providers latentspeed vLLM-Triton vLLM-CUTLASS vLLM-DeepGEMM cuBLAS-bf16 \
+        --out "$out/fp8_gemm.json" 2>&1 | tee "$out/fp8-bench.log" | tail -n 40 ;;
+    fp8-bench-sglang)
+      python3 benchmarks/fp8_gemm.py --providers latentspeed SGLang-Triton SGLang-CUTLASS cuBLAS-bf16 \
+        --out "$out/fp8_gemm_sglang.json" 2>&1 | tee "$out/fp8-bench-sglang.log" | tail -n 40 ;;
+    wait-checkpoints)
+      until [ -f "${CHECKPOINTS:?}/.complete" ]; do sleep 5; done ;;
     moe-bench)
       python3 benchmarks/fp8_moe.py --out "$out/fp8_moe.json" 2>&1 | tee "$out/moe-bench.log" | tail -n 40 ;;
     e2e-bf16)
