@@ -62,7 +62,8 @@ class LatentspeedMLABackend(AttentionBackend):
         super().__init__()
         config = model_runner.model_config
         self.device = model_runner.device
-        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.req_to_token_pool = model_runner.req_to_token_pool  # SGLang's MHA prepare reads it off the backend
+        self.req_to_token = self.req_to_token_pool.req_to_token
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.page_size = model_runner.page_size
         self.num_heads = config.num_attention_heads // get_parallel().attn_tp_size
