@@ -38,7 +38,8 @@ for step in "$@"; do
     wait-checkpoints)
       until [ -f "${CHECKPOINTS:?}/.complete" ]; do sleep 5; done ;;
     moe-bench)
-      python3 benchmarks/fp8_moe.py --out "$out/fp8_moe.json" 2>&1 | tee "$out/moe-bench.log" | tail -n 40 ;;
+      python3 benchmarks/fp8_moe.py --out "$out/fp8_moe.json" 2>&1 | tee "$out/moe-bench.log" | tail -n 40 \
+        && python3 benchmarks/fp8_moe.py --cuda-graph --out "$out/fp8_moe_graph.json" 2>&1 | tee -a "$out/moe-bench.log" | tail -n 40 ;;
     e2e-bf16)
       python3 tests/gpu/vllm_e2e.py --group bf16 --throughput --workdir /tmp/e2e --out "$out/e2e-bf16.json" 2>&1 \
         | tee "$out/e2e-bf16.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
