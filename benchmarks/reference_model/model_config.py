@@ -1,7 +1,9 @@
 """The reference model's DeepSeek-V3 configuration, sized to a byte budget.
 
-DeepSeek-V3's attention shape where it matters to the kernels (rope 64, the largest latent
-rank that fits, power-of-two head sizes), MoE with 8 routed experts (top 2) and one shared
+DeepSeek-V3's attention shape where it matters to the kernels and to the engines (head dims
+nope 128, rope 64, v 128, since stock vLLM's MLA prefill on Hopper, FlashAttention, takes only
+DeepSeek's and two other models' dims; 8 heads to stay in budget; the largest latent rank that
+fits), MoE with 8 routed experts (top 2) and one shared
 expert, sigmoid scores with aux-loss-free (``noaux_tc``) routing, first layer dense. Written so
 that transformers, vLLM and SGLang all load it without remote code (``moe_layer_freq``,
 ``topk_method`` and ``scoring_func`` spelled out: vLLM and SGLang read them, transformers does
@@ -22,8 +24,8 @@ def deepseek_v3_config(vocab_size: int, kv_lora_rank: int, max_positions: int = 
         intermediate_size=768,
         moe_intermediate_size=128,
         num_hidden_layers=4,
-        num_attention_heads=16,
-        num_key_value_heads=16,
+        num_attention_heads=8,
+        num_key_value_heads=8,
         n_shared_experts=1,
         n_routed_experts=8,
         num_experts_per_tok=2,
@@ -35,8 +37,8 @@ def deepseek_v3_config(vocab_size: int, kv_lora_rank: int, max_positions: int = 
         q_lora_rank=128,
         kv_lora_rank=kv_lora_rank,
         qk_rope_head_dim=64,
-        qk_nope_head_dim=64,
-        v_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
         max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         bos_token_id=0,

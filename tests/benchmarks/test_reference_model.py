@@ -77,6 +77,14 @@ def test_reference_config_fits_the_budget_with_the_largest_latent_rank():
         reference_config(8192, budget_bytes=1 << 20)
 
 
+def test_reference_model_has_deepseek_v3_head_dims():
+    """vLLM 0.26's only MLA prefill on Hopper (FlashAttention) takes DeepSeek-V3's head dims and two
+    other models' (its module imports CUDA-only symbols, so it cannot be asked on the CPU): with
+    nope 64 / v 64 stock vLLM refused to load the reference model on the H200."""
+    config = reference_config(8192)
+    assert (config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim) == (128, 64, 128)
+
+
 def test_tiny_training_run_writes_a_loadable_checkpoint(source_tree, tmp_path):
     out = tmp_path / "model"
     metrics = train_main([
