@@ -5,8 +5,9 @@ and of the engine's own built-ins, in one table (issues #5 and #7).
         [--checkpoint fp8-block=/tmp/ckpt/fp8-block ...] --out eval-vllm.json
 
 Every row scores the same held-out windows (``heldout.txt`` beside the model unless ``--text``)
-with ``latentspeed eval``'s machinery, one engine process per row (``--parallel`` at once), no CUDA graphs, prefilling
-``--prefill-chunk`` tokens at a time so that later chunks read the KV cache in its own dtype.
+with ``latentspeed eval``'s machinery, one engine process per row (``--parallel`` of them at
+once), no CUDA graphs, prefilling ``--prefill-chunk`` tokens at a time so that later chunks read
+the KV cache in its own dtype.
 The first row, a built-in backend in bf16, is the reference of every other row: |Δ log-prob|,
 top-1 agreement and top-k KL. Built-in rows beside ours give the spread between two correct
 implementations. A row whose engine fails is recorded with its error; the others still run.
@@ -56,8 +57,9 @@ def checkpoint_runs(engine: str, name: str, path: str) -> dict:
     runs = {f"{name}: stock {engine}": (BUILTIN_BACKEND[engine], kv, None, path)}
     weights = [g.get("weights") or {} for g in (quant.get("config_groups") or {}).values()]
     native_fp8 = quant.get("quant_method") == "fp8" and quant.get("weight_block_size") == [128, 128]
-    if native_fp8 or weights and all(w.get("type") == "float" and w.get("num_bits") == 8 and w.get("strategy") == "block"
-                                     for w in weights):
+    ct_fp8_block = bool(weights) and all(w.get("type") == "float" and w.get("num_bits") == 8
+                                         and w.get("strategy") == "block" for w in weights)
+    if native_fp8 or ct_fp8_block:
         runs[f"{name}: latentspeed_fp8, {OUR_BACKEND[engine]}"] = (OUR_BACKEND[engine], kv, "latentspeed_fp8", path)
     return runs
 

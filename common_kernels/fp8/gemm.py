@@ -24,7 +24,6 @@ from ..fp8_format import FP8_DTYPES
 
 SCALE_BLOCK = 128
 CONFIG_DIR = Path(__file__).parent / "configs"
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "SPLIT_K", "GROUP_M", "num_warps", "num_stages")
 
 
 @triton.jit
@@ -132,8 +131,9 @@ def block_scaled_gemm(
         b: ``[N, K]`` fp8, last dim contiguous (an ``nn.Linear`` weight).
         b_scale: ``[cdiv(N, 128), cdiv(K, 128)]`` fp32, one scale per 128 x 128 block.
         out_dtype: bf16 or fp16. ``out``: optional ``[M, N]`` buffer, last dim contiguous.
-        config: launch parameters (``CONFIG_KEYS``); default ``gemm_config``, a table tuned per
-            GPU and (N, K), then a heuristic. ``SPLIT_K > 1`` sums fp32 partials in a second kernel.
+        config: launch parameters (``BLOCK_M``, ``BLOCK_N``, ``SPLIT_K``, ``GROUP_M``, ``num_warps``,
+            ``num_stages``); default ``gemm_config``, a table tuned per GPU and (N, K), then a
+            heuristic. ``SPLIT_K > 1`` sums fp32 partials in a second kernel.
 
     Returns ``C [M, N]``. Raises ``ValueError`` naming any shape, dtype or layout mismatch.
     """
