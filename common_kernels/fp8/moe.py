@@ -16,18 +16,46 @@ computes the gate and up slices together and stores ``silu(gate) * up`` (bf16) o
 multiplies by the routing weight before the store; the ``k`` slots of a token are summed in fp32.
 """
 
+import functools
+import json
 import os
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from ..fp8_format import FP8_DTYPES
-from .gemm import SCALE_BLOCK
+from .gemm import CONFIG_DIR, SCALE_BLOCK, nearest_tuned
 from .quant import quantize_per_token_group
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 16 if _INTERPRET else 64
+# The launch of both GEMMs: ``BLOCK_M`` (the alignment of each expert's run) and, per GEMM
+# (``gate_up``, ``down``), ``BLOCK_N``, ``num_warps`` and ``num_stages``.
+DEFAULT_CONFIG = {
+    "BLOCK_M": BLOCK_M,
+    "gate_up": {"BLOCK_N": 32 if _INTERPRET else 128, "num_warps": 4, "num_stages": 1 if _INTERPRET else 3},
+    "down": {"BLOCK_N": 32 if _INTERPRET else 128, "num_warps": 4, "num_stages": 1 if _INTERPRET else 3},
+}
+
+
+@functools.cache
+def _tuned_table(device_name: str) -> dict:
+    """``{"E,H,I,k": {"tokens": config}}`` tuned on this GPU (``benchmarks/tune_fp8_moe.py``), or
+    empty. ``LATENTSPEED_FP8_MOE_CONFIGS`` names another file."""
+    path = Path(os.environ.get("LATENTSPEED_FP8_MOE_CONFIGS") or CONFIG_DIR / f"moe_{device_name.replace(' ', '_')}.json")
+    return json.loads(path.read_text())["configs"] if path.is_file() else {}
+
+
+@functools.lru_cache(maxsize=4096)
+def moe_config(tokens: int, top_k: int, experts: int, hidden: int, inter: int, device: torch.device) -> dict:
+    """The launch config for ``tokens`` routed to ``top_k`` of ``experts`` of ``[2 * inter, hidden]``:
+    the tuned table's entry for this shape on this GPU at the nearest token count, else ``DEFAULT_CONFIG``."""
+    if device.type != "cuda":
+        return DEFAULT_CONFIG
+    by_tokens = _tuned_table(torch.cuda.get_device_properties(device).name).get(f"{experts},{hidden},{inter},{top_k}")
+    return nearest_tuned(by_tokens, tokens) if by_tokens else DEFAULT_CONFIG
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
@@ -124,16 +152,16 @@ def _block_dot(a, a_s, b_expert, bs_expert, rows, mask_rows, offs_k, mask_k, kb,
     return tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
 
 
-def _moe_gemm(a, a_scale, b, b_scale, out, sorted_ids, block_expert, weights, rows_per_a, gated, apply_weight):
+def _moe_gemm(a, a_scale, b, b_scale, out, sorted_ids, block_expert, weights, rows_per_a, gated, apply_weight,
+              launch: dict):
     n, k = out.shape[1], b.shape[2]
-    block_n = 32 if _INTERPRET else 128
-    grid = (block_expert.shape[0], triton.cdiv(n, block_n))
+    grid = (block_expert.shape[0], triton.cdiv(n, launch["BLOCK_N"]))
     _moe_gemm_kernel[grid](
         a, a_scale, b, b_scale, out, sorted_ids, block_expert, weights, out.shape[0], n, k, a.stride(0),
         a_scale.stride(0), b.stride(0), b.stride(1), b_scale.stride(0), b_scale.stride(1), out.stride(0),
         ROWS_PER_A=rows_per_a, GATED=gated, APPLY_WEIGHT=apply_weight,
-        BLOCK_M=sorted_ids.shape[0] // block_expert.shape[0], BLOCK_N=block_n, BLOCK_K=SCALE_BLOCK,
-        num_warps=4, num_stages=1 if _INTERPRET else 3,
+        BLOCK_M=sorted_ids.shape[0] // block_expert.shape[0], BLOCK_N=launch["BLOCK_N"], BLOCK_K=SCALE_BLOCK,
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"],
     )
 
 
@@ -164,7 +192,7 @@ def _validate(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_ma
 def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                   w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   stats: torch.Tensor | None = None, expert_map: torch.Tensor | None = None,
-                  check_ids: bool = True) -> torch.Tensor:
+                  check_ids: bool = True, config: dict | None = None) -> torch.Tensor:
     """The routed experts' output (module docstring).
 
     Args:
@@ -179,6 +207,7 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
             contribute nothing here.
         check_ids: check that ``topk_ids`` are in range (a device synchronization: engines, whose
             routers produce valid ids and which capture this in CUDA graphs, pass False).
+        config: the launch (``DEFAULT_CONFIG``'s keys); default ``moe_config``, tuned per GPU and shape.
 
     Returns ``[T, H]`` in x's dtype. Raises ``ValueError`` naming any shape, dtype or id problem.
     """
@@ -187,16 +216,18 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     experts, two_i, hidden = w13.shape
     if tokens == 0:
         return x.new_zeros(tokens, hidden)
+    config = config or moe_config(tokens, top_k, experts, hidden, two_i // 2, x.device)
     ids = topk_ids if expert_map is None else expert_map[topk_ids.long()]
-    sorted_ids, block_expert = align_by_expert(ids, experts)
+    sorted_ids, block_expert = align_by_expert(ids, experts, config["BLOCK_M"])
     weights = topk_weights.flatten().float().contiguous()
     a, a_scale = quantize_per_token_group(x.contiguous(), SCALE_BLOCK, stats=stats)
     # silu(gate) * up, fused into the first GEMM; rows of left-out pairs are never written.
     hidden_act = (x.new_zeros if expert_map is not None else x.new_empty)(tokens * top_k, two_i // 2)
-    _moe_gemm(a, a_scale, w13, w13_scale, hidden_act, sorted_ids, block_expert, weights, top_k, True, False)
+    _moe_gemm(a, a_scale, w13, w13_scale, hidden_act, sorted_ids, block_expert, weights, top_k, True, False,
+              config["gate_up"])
     h, h_scale = quantize_per_token_group(hidden_act, SCALE_BLOCK, stats=stats)
     down = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
-    _moe_gemm(h, h_scale, w2, w2_scale, down, sorted_ids, block_expert, weights, 1, False, True)
+    _moe_gemm(h, h_scale, w2, w2_scale, down, sorted_ids, block_expert, weights, 1, False, True, config["down"])
     down = down.view(tokens, top_k, hidden)
     if expert_map is not None:  # left-out pairs' rows were never written
         down.masked_fill_((ids < 0)[..., None], 0.0)

@@ -43,8 +43,16 @@ def test_align_by_expert_leaves_out_negative_ids():
     assert sorted_ids.numel() == block_expert.numel() * BLOCK_M == -(-(pairs + 3 * (BLOCK_M - 1)) // BLOCK_M) * BLOCK_M
 
 
+LAUNCHES = {
+    "default": None,
+    "wide_rows_narrow_tiles": {"BLOCK_M": 32, "gate_up": {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
+                               "down": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1}},
+}
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
 @pytest.mark.parametrize("tokens", [1, 7, 40])
-def test_fused_moe_matches_reference(tokens):
+def test_fused_moe_matches_reference(tokens, launch):
     routed, hidden, inter, top_k = 4, 256, 192, 2  # I = 192: the down GEMM's last K block is partial
     w13, s13 = expert_weights(routed + 1, 2 * inter, hidden, 0.05)  # the last expert is shared
     w2, s2 = expert_weights(routed + 1, hidden, inter, 0.05)
@@ -53,7 +61,7 @@ def test_fused_moe_matches_reference(tokens):
     logits[:, 3] = -1e9  # expert 3 receives no token
     weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
     ids, weights = append_shared_experts(ids, weights, first_shared=routed, num_shared=1)
-    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids)
+    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=LAUNCHES[launch])
     expected = fused_moe_fp8_ref(x, w13, s13, w2, s2, weights, ids)
     assert out.shape == (tokens, hidden) and out.dtype == torch.bfloat16
     assert_close(out, expected, atol=2e-2, rtol=2e-2, name="moe out")

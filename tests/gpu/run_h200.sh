@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench tune-gemm fp8-bench moe-bench e2e-bf16 e2e-fp8 e2e-w8 (vLLM
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench tune-gemm tune-moe fp8-bench moe-bench e2e-bf16 e2e-fp8 e2e-w8 (vLLM
 #                                         bundle on PYTHONPATH), fp8-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8
 #                                         sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         refmodel (train the reference model; no engine needed),
 #                                         refmodel-eval-vllm refmodel-eval-sglang (its perplexity table, that engine staged)
 # REFMODEL (default /tmp/refmodel): the reference model's directory; CHECKPOINTS: a folder of its
 # quantized checkpoints (latentspeed quantize), added to the refmodel-eval tables; EVAL_ARGS: more
-# engine_eval.py options (e.g. --checkpoints-only --parallel 4). tune-gemm writes the fp8 GEMM's tuned
-# table to $out and has the later steps use it (LATENTSPEED_FP8_GEMM_CONFIGS).
+# engine_eval.py options (e.g. --checkpoints-only --parallel 4). tune-gemm and tune-moe write the fp8
+# GEMM's and fused MoE's tuned tables to $out and have the later steps use them
+# (LATENTSPEED_FP8_GEMM_CONFIGS, LATENTSPEED_FP8_MOE_CONFIGS).
 # Logs and JSON land in $OUT (the device tool's output folder) or ./gpu-out.
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -29,6 +30,9 @@ for step in "$@"; do
     tune-gemm)
       python3 -m benchmarks.tune_fp8_gemm --out "$out/gemm_configs.json" 2>"$out/tune-gemm.err" | tee "$out/tune-gemm.log" \
         && export LATENTSPEED_FP8_GEMM_CONFIGS=$(realpath "$out")/gemm_configs.json ;;
+    tune-moe)
+      python3 -m benchmarks.tune_fp8_moe --out "$out/moe_configs.json" 2>"$out/tune-moe.err" | tee "$out/tune-moe.log" \
+        && export LATENTSPEED_FP8_MOE_CONFIGS=$(realpath "$out")/moe_configs.json ;;
     fp8-bench)
       python3 benchmarks/fp8_gemm.py --providers latentspeed vLLM-Triton vLLM-CUTLASS vLLM-DeepGEMM cuBLAS-bf16 \
         --out "$out/fp8_gemm.json" 2>&1 | tee "$out/fp8-bench.log" | tail -n 40 ;;

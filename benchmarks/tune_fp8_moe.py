@@ -1,0 +1,91 @@
+"""Tune latentspeed's block-FP8 fused MoE for this GPU: the fastest launch per expert shape and token count.
+
+For each shape of ``fp8_moe.SHAPES`` and each token count, every ``BLOCK_M`` (the alignment of each
+expert's run) is tried with every launch of the gate/up GEMM (``BLOCK_N``, warps, stages) under the
+default down GEMM, then every launch of the down GEMM under the best gate/up one. Each candidate's
+output is checked against the default launch's, and its CUDA-graph replay timed (the way engines
+run it; median, L2 flushed). The winners are written as the table ``common_kernels.fp8.moe`` reads
+(``configs/moe_<GPU name>.json``, or the file ``LATENTSPEED_FP8_MOE_CONFIGS`` names), with the
+time of each winner and of the default.
+
+    python -m benchmarks.tune_fp8_moe --out common_kernels/fp8/configs/moe_NVIDIA_H200.json
+"""
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from benchmarks.fp8_moe import SHAPES, expert_weights, in_cuda_graph
+from common_kernels.fp8 import fused_moe_fp8
+from common_kernels.fp8.moe import DEFAULT_CONFIG
+
+GEMM_LAUNCHES = [{"BLOCK_N": n, "num_warps": w, "num_stages": s} for n, w, s in itertools.product((64, 128), (4, 8), (2, 3, 4))]
+
+
+def time_config(run, config, reference):
+    try:
+        out = run(config)
+    except Exception as exc:  # e.g. triton's OutOfResources for large tiles with many stages
+        print(f"  skip {config}: {type(exc).__name__}", file=sys.stderr)
+        return None
+    err = ((out.float() - reference).norm() / reference.norm()).item()
+    if not err < 1e-2:
+        raise SystemExit(f"launch {config} disagrees with the default launch: relative difference {err:.3g}")
+    return triton.testing.do_bench(in_cuda_graph(lambda: run(config)), warmup=5, rep=20, return_mode="median") * 1e3
+
+
+def tune_one(tokens, experts, top_k, hidden, inter, w13, s13, w2, s2) -> dict:
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(top_k, dim=-1)
+    ids = ids.to(torch.int32)
+
+    def run(config):
+        return fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, check_ids=False, config=config)
+
+    reference = run(DEFAULT_CONFIG).float()
+    best = dict(DEFAULT_CONFIG, us=time_config(run, DEFAULT_CONFIG, reference))
+    default_us = best["us"]
+    for block_m in (16, 32, 64, 128):
+        for stage in ("gate_up", "down"):
+            base = {"BLOCK_M": block_m, "gate_up": best["gate_up"] if stage == "down" else DEFAULT_CONFIG["gate_up"],
+                    "down": DEFAULT_CONFIG["down"]}
+            for launch in GEMM_LAUNCHES:
+                config = dict(base, **{stage: launch})
+                us = time_config(run, config, reference)
+                if us is not None and us < best["us"]:
+                    best = dict(config, us=round(us, 2))
+    return dict(best, default_us=round(default_us, 2))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    table, started = {}, time.perf_counter()
+    for shape in args.shapes:
+        experts, top_k, hidden, inter = SHAPES[shape]
+        w13, s13 = expert_weights(experts, 2 * inter, hidden)
+        w2, s2 = expert_weights(experts, hidden, inter)
+        for tokens in args.tokens:
+            entry = tune_one(tokens, experts, top_k, hidden, inter, w13, s13, w2, s2)
+            table.setdefault(f"{experts},{hidden},{inter},{top_k}", {})[str(tokens)] = entry
+            print(f"{shape} tokens={tokens}: {entry}", flush=True)
+        # Rewritten per shape, atomically: a cut-short run keeps what it tuned, and readers never see half a file.
+        partial = Path(f"{args.out}.partial")
+        partial.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                                       "triton": triton.__version__, "seconds": round(time.perf_counter() - started),
+                                       "configs": table}, indent=1))
+        os.replace(partial, args.out)
+
+
+if __name__ == "__main__":
+    main()
