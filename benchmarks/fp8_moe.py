@@ -19,7 +19,7 @@ import triton
 
 from common_kernels.fp8 import fused_moe_fp8
 
-SHAPES = {"deepseek_v3": (256, 8, 7168, 2048), "tiny": (8, 2, 1024, 256)}
+SHAPES = {"deepseek_v3": (256, 8, 7168, 2048), "tiny": (8, 2, 1024, 256), "refmodel": (8, 2, 256, 128)}
 
 
 def expert_weights(experts, rows, cols):
@@ -28,6 +28,22 @@ def expert_weights(experts, rows, cols):
     scale = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-10) / 448.0
     q = (blocks / scale[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(experts, rows, cols)
     return q, scale.float().contiguous()
+
+
+def exact_moe(x, w13, s13, w2, s2, weights, ids):
+    """The MoE in fp32 on the dequantized weights with unquantized activations: what both FP8 kernels
+    approximate, so each one's own error (not only their difference) is known."""
+    def dequant(w, s):
+        rows, cols = w.shape
+        return (w.float().view(rows // 128, 128, cols // 128, 128) * s[:, None, :, None]).view(rows, cols)
+
+    out = torch.zeros(x.shape[0], w2.shape[1], device=x.device)
+    for e in ids.unique().tolist():
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        gate, up = (x[rows].float() @ dequant(w13[e], s13[e]).T).chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up) @ dequant(w2[e], s2[e]).T
+        out.index_add_(0, rows, y * weights[rows, slot, None])
+    return out
 
 
 def vllm_fused(x, w13, s13, w2, s2, weights, ids):
@@ -74,14 +90,15 @@ def main():
                 providers["vLLM-Triton"] = vllm_fused(x, w13, s13, w2, s2, weights, ids)
             except Exception as err:  # vLLM missing on this host
                 print(f"vLLM-Triton unavailable ({type(err).__name__}: {err})", file=sys.stderr)
-            outs = {}
+            outs, exact = {}, exact_moe(x, w13, s13, w2, s2, weights, ids)
             for name, fn in providers.items():
                 fn = in_cuda_graph(fn) if args.cuda_graph else fn
                 outs[name] = fn().float()
                 ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
                 flops = 2 * tokens * top_k * (2 * inter * hidden + hidden * inter)
                 rows.append(dict(shape=shape, tokens=tokens, provider=name, cuda_graph=args.cuda_graph, us=ms * 1e3,
-                                 tflop_s=flops / ms / 1e9))
+                                 tflop_s=flops / ms / 1e9,
+                                 rel_err_vs_exact=((outs[name] - exact).norm() / exact.norm()).item()))
                 print(json.dumps(rows[-1]), flush=True)
             if len(outs) == 2:
                 ref = outs["vLLM-Triton"]
