@@ -51,11 +51,23 @@ def _tuned_table(device_name: str) -> dict:
 @functools.lru_cache(maxsize=4096)
 def moe_config(tokens: int, top_k: int, experts: int, hidden: int, inter: int, device: torch.device) -> dict:
     """The launch config for ``tokens`` routed to ``top_k`` of ``experts`` of ``[2 * inter, hidden]``:
-    the tuned table's entry for this shape on this GPU at the nearest token count, else ``DEFAULT_CONFIG``."""
+    the tuned table's entry for this shape on this GPU at the nearest token count, else ``untuned_config``;
+    ``DEFAULT_CONFIG`` on the CPU (Triton's interpreter)."""
     if device.type != "cuda":
         return DEFAULT_CONFIG
     by_tokens = _tuned_table(torch.cuda.get_device_properties(device).name).get(f"{experts},{hidden},{inter},{top_k}")
-    return nearest_tuned(by_tokens, tokens) if by_tokens else DEFAULT_CONFIG
+    return nearest_tuned(by_tokens, tokens) if by_tokens else untuned_config(tokens * top_k / experts)
+
+
+def untuned_config(rows_per_expert: float) -> dict:
+    """The launch for a shape with no tuned entry, from what tuning chose on the H200 for DeepSeek-V3's
+    and a small model's experts: 16-row runs and 64-wide tiles while experts see few rows each
+    (decode, small batches), 64-row runs with a 128-wide down GEMM beyond."""
+    if rows_per_expert <= 16:
+        return {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 4},
+                "down": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4}}
+    return {"BLOCK_M": 64, "gate_up": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
+            "down": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}}
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
@@ -65,27 +77,57 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLO
     Returns ``(sorted_ids [P] int32, block_expert [P // block_m] int32)`` with
     ``P = T * k + E * (block_m - 1)`` rounded up to ``block_m``: ``sorted_ids`` holds pair indices
     ``t * k + j`` (``T * k`` marks padding), ``block_expert`` the expert of each run of ``block_m``
-    (``-1`` for blocks past the last run). No host synchronization and shapes fixed by ``T * k``
-    and ``E``, so CUDA graphs capture it.
+    (``-1`` for blocks past the last run). Within a run the order of the pairs is unspecified (each
+    pair's output row does not depend on it). One kernel launch, no host synchronization, shapes
+    fixed by ``T * k`` and ``E``: CUDA graphs capture it. Reference: ``align_by_expert_ref``.
     """
     pairs = topk_ids.numel()
-    flat = topk_ids.flatten().long()
-    key = torch.where(flat < 0, num_experts, flat)  # bucket E: left out
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
     size = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
-    starts = torch.cat([ends - padded, ends.new_full((1,), size)])  # left-out pairs land past the end
-    order = torch.argsort(key, stable=True)
-    first_of_bucket = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(pairs, device=flat.device) - first_of_bucket[key[order]]
-    sorted_ids = torch.full((size + pairs,), pairs, dtype=torch.int32, device=flat.device)
-    sorted_ids[torch.where(key[order] < num_experts, starts[key[order]] + rank, size + rank)] = order.to(torch.int32)
-    block_start = torch.arange(0, size, block_m, device=flat.device)
-    block_expert = torch.searchsorted(ends, block_start, right=True).to(torch.int32)
-    block_expert = torch.where(block_expert >= num_experts, -1, block_expert)
+    sorted_ids = torch.empty(size + pairs, dtype=torch.int32, device=topk_ids.device)  # left-out pairs: past size
+    block_expert = torch.empty(size // block_m, dtype=torch.int32, device=topk_ids.device)
+    cursor = torch.empty(num_experts + 1, dtype=torch.int32, device=topk_ids.device)
+    _align_kernel[(1,)](topk_ids.contiguous(), sorted_ids, block_expert, cursor, pairs, num_experts, size,
+                        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts + 1), CHUNK=1024,
+                        BLOCKS_CHUNK=32, num_warps=8)
     return sorted_ids[:size], block_expert
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, cursor_ptr, pairs, num_experts, size,
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
+    """One program, four phases split by barriers: count the pairs per expert (atomics into
+    ``cursor``); turn the padded counts into run starts (``cursor``) and each block's expert; fill
+    ``sorted_ids`` with the padding marker; scatter each pair to its expert's next free row."""
+    experts = tl.arange(0, E_PAD)
+    tl.store(cursor_ptr + experts, tl.zeros([E_PAD], tl.int32), mask=experts <= num_experts)
+    tl.debug_barrier()
+    for start in range(0, pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        key = tl.load(ids_ptr + offs, mask=offs < pairs, other=-1).to(tl.int32)
+        tl.atomic_add(cursor_ptr + key, 1, mask=key >= 0)
+    tl.debug_barrier()
+    counts = tl.load(cursor_ptr + experts, mask=experts < num_experts, other=0, cache_modifier=".cg")
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.debug_barrier()
+    # Run starts; bucket num_experts (left-out pairs) starts at size, past the returned rows.
+    tl.store(cursor_ptr + experts, tl.where(experts < num_experts, ends - padded, size), mask=experts <= num_experts)
+    ends = tl.where(experts < num_experts, ends, size + 1)  # padding experts never own a block
+    for first in range(0, size // BLOCK_M, BLOCKS_CHUNK):
+        blocks = first + tl.arange(0, BLOCKS_CHUNK)
+        # The block's expert: how many runs end at or before its first row.
+        owner = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blocks, tl.where(owner < num_experts, owner, -1), mask=blocks < size // BLOCK_M)
+    for start in range(0, size, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ids_ptr + offs, tl.full([CHUNK], 0, tl.int32) + pairs, mask=offs < size)
+    tl.debug_barrier()
+    for start in range(0, pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        key = tl.load(ids_ptr + offs, mask=offs < pairs, other=-1).to(tl.int32)
+        key = tl.where(key < 0, num_experts, key)
+        row = tl.atomic_add(cursor_ptr + key, 1, mask=offs < pairs)
+        tl.store(sorted_ids_ptr + row, offs, mask=offs < pairs)
 
 
 def append_shared_experts(topk_ids: torch.Tensor, topk_weights: torch.Tensor, first_shared: int, num_shared: int,

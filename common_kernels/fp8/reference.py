@@ -47,6 +47,23 @@ def quantize_weight_blocks_ref(w: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, b
     return q[:n, :k].contiguous(), scales
 
 
+def align_by_expert_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Same contract as ``align_by_expert``, in torch ops; within a run, pairs in ascending order."""
+    pairs = topk_ids.numel()
+    key = torch.where(topk_ids.flatten() < 0, num_experts, topk_ids.flatten()).long()
+    counts = torch.bincount(key, minlength=num_experts + 1)
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    size = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    sorted_ids = torch.full((size,), pairs, dtype=torch.int32, device=topk_ids.device)
+    for e in range(num_experts):
+        members = (key == e).nonzero().flatten()
+        start = int(ends[e] - padded[e])
+        sorted_ids[start : start + members.numel()] = members.to(torch.int32)
+    block_expert = torch.searchsorted(ends, torch.arange(0, size, block_m, device=ends.device), right=True)
+    return sorted_ids, torch.where(block_expert >= num_experts, -1, block_expert).to(torch.int32)
+
+
 def fused_moe_fp8_ref(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_map=None) -> torch.Tensor:
     """Same contract as ``fused_moe_fp8``, one (token, slot) pair at a time."""
     tokens, top_k = topk_ids.shape

@@ -6,8 +6,8 @@ order can move it by one bf16 ulp before it is quantized again."""
 import pytest
 import torch
 
-from common_kernels.fp8.moe import BLOCK_M, align_by_expert, append_shared_experts, fused_moe_fp8
-from common_kernels.fp8.reference import fused_moe_fp8_ref, quantize_weight_blocks_ref
+from common_kernels.fp8.moe import BLOCK_M, align_by_expert, append_shared_experts, fused_moe_fp8, untuned_config
+from common_kernels.fp8.reference import align_by_expert_ref, fused_moe_fp8_ref, quantize_weight_blocks_ref
 from tests.helpers import assert_close
 
 
@@ -35,6 +35,20 @@ def test_align_by_expert_places_every_pair_once(tokens):
     assert 5 not in block_expert.tolist()
 
 
+@pytest.mark.parametrize("tokens, experts, top_k, block_m", [(3, 4, 2, 16), (700, 40, 2, 16), (90, 9, 8, 64)])
+def test_align_by_expert_matches_reference(tokens, experts, top_k, block_m):
+    """Several chunks of pairs (700 x 2 > 1024) and of blocks (> 32); some experts get nothing and a
+    tenth of the pairs are on another rank. Runs match the reference up to the order inside each."""
+    ids = torch.randint(0, experts, (tokens, top_k), dtype=torch.int32)
+    ids[ids == 1] = 0
+    ids[torch.rand(tokens, top_k) < 0.1] = -1
+    sorted_ids, block_expert = align_by_expert(ids, experts, block_m)
+    ref_sorted, ref_block_expert = align_by_expert_ref(ids, experts, block_m)
+    assert torch.equal(block_expert, ref_block_expert)
+    runs = sorted_ids.view(-1, block_m).sort(dim=1).values
+    assert torch.equal(runs, ref_sorted.view(-1, block_m).sort(dim=1).values)
+
+
 def test_align_by_expert_leaves_out_negative_ids():
     ids = torch.tensor([[0, -1], [2, 0], [-1, -1], [2, 1]])
     sorted_ids, block_expert = align_by_expert(ids, 3, BLOCK_M)
@@ -47,6 +61,8 @@ LAUNCHES = {
     "default": None,
     "wide_rows_narrow_tiles": {"BLOCK_M": 32, "gate_up": {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
                                "down": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1}},
+    "untuned_few_rows": untuned_config(1),
+    "untuned_many_rows": untuned_config(100),
 }
 
 
