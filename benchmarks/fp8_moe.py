@@ -7,7 +7,7 @@ CUDA-event medians (``triton.testing.do_bench``, L2 flushed), of eager calls (ho
 included) or, with ``--cuda-graph``, of CUDA-graph replays (the GPU work alone, as engines run decode);
 the two outputs are compared with each other.
 
-    python benchmarks/fp8_moe.py --out benchmarks/results/fp8_moe.json
+    python -m benchmarks.fp8_moe --out benchmarks/results/fp8_moe.json
 """
 
 import argparse
@@ -17,6 +17,7 @@ import sys
 import torch
 import triton
 
+from benchmarks.timing import in_cuda_graph
 from common_kernels.fp8 import fused_moe_fp8
 
 SHAPES = {"deepseek_v3": (256, 8, 7168, 2048), "tiny": (8, 2, 1024, 256), "refmodel": (8, 2, 256, 128)}
@@ -52,20 +53,6 @@ def vllm_fused(x, w13, s13, w2, s2, weights, ids):
 
     config = fp8_w8a8_moe_quant_config(w1_scale=s13, w2_scale=s2, block_shape=[128, 128])
     return lambda: fused_experts(x, w13, w2, weights, ids, quant_config=config)
-
-
-def in_cuda_graph(fn):
-    """``fn`` captured once in a CUDA graph (as engines run decode and small batches): replays time
-    the GPU work alone, without the launch overhead of the host."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up outside the capture: compilation, allocator pools
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return lambda: (graph.replay(), out)[1]
 
 
 def main():

@@ -6,7 +6,7 @@ scattered at random) in one process; times are CUDA-event medians (``triton.test
 which flushes L2 between runs) after warm-up. Bytes are the cache rows read once plus queries
 and outputs; FLOPs are ``2 * T * H * seq_len * (D_latent + D_rope + D_latent)``.
 
-    python benchmarks/mla_decode.py --out benchmarks/results/mla_decode.json
+    python -m benchmarks.mla_decode --out benchmarks/results/mla_decode.json
 
 TRITON_MLA has no multi-token decode in vLLM; for 2 query tokens it runs the equivalent
 2 * B single-token rows (shown as such). FLASH_ATTN_MLA has no fp8 path.
@@ -20,6 +20,7 @@ import sys
 import torch
 import triton
 
+from benchmarks.timing import in_cuda_graph
 from common_kernels.mla import mla_decode, plan_decode
 from common_kernels.mla.reference import mla_decode_ref
 
@@ -163,6 +164,8 @@ def main():
     parser.add_argument("--q-len", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--ctx", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--cache", nargs="+", default=["bf16", "e4m3", "e5m2"])
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="time CUDA-graph replays, as engines run decode (small batches: no launch overhead)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dtypes = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -182,6 +185,7 @@ def main():
                             fn = make(q, cache, table, lens, q_len, kv_scale)
                             if fn is None:
                                 continue
+                            fn = in_cuda_graph(fn) if args.cuda_graph else fn
                             outs[name] = fn().float().reshape(q.shape[0], heads, D_LATENT).clone()
                         except Exception as err:  # an engine kernel missing or refusing this shape
                             print(f"{name} {cache_name} H{heads} q{q_len} ctx{ctx}: unavailable "
@@ -191,7 +195,8 @@ def main():
                         elem = cache.element_size()
                         nbytes = args.batch * ctx * (D_LATENT + D_ROPE) * elem + q.numel() * 2 * 2
                         flops = 2 * q.shape[0] * heads * ctx * (D_LATENT + D_ROPE + D_LATENT)
-                        row = dict(cache=cache_name, heads=heads, q_len=q_len, ctx=ctx, provider=name, us=ms * 1e3,
+                        row = dict(batch=args.batch, cache=cache_name, heads=heads, q_len=q_len, ctx=ctx, provider=name,
+                                   cuda_graph=args.cuda_graph, us=ms * 1e3,
                                    tb_s=nbytes / ms / 1e9, tflop_s=flops / ms / 1e9)
                         if name == "FLASHMLA":
                             baseline = row["us"]

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import triton
 
-from benchmarks.fp8_moe import SHAPES, expert_weights, in_cuda_graph
+from benchmarks.fp8_moe import SHAPES, expert_weights
+from benchmarks.timing import in_cuda_graph
 from common_kernels.fp8 import fused_moe_fp8
 from common_kernels.fp8.moe import DEFAULT_CONFIG
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench tune-gemm tune-moe fp8-bench moe-bench e2e-bf16 e2e-fp8 e2e-w8 (vLLM
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench bench-small tune-gemm tune-moe fp8-bench moe-bench e2e-bf16 e2e-fp8 e2e-w8 (vLLM
 #                                         bundle on PYTHONPATH), fp8-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8
 #                                         sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         refmodel (train the reference model; no engine needed),
@@ -27,6 +27,11 @@ for step in "$@"; do
       python3 -m pytest -q -x tests/gpu -p no:warnings --durations=5 2>&1 | tail -n 30 | tee "$out/kernels.log" ;;
     bench)
       python3 benchmarks/mla_decode.py --out "$out/mla_decode.json" 2>&1 | tee "$out/bench.log" | tail -n 80 ;;
+    bench-small)  # issue #6's small batches (1 and 8, context 512-4k), as CUDA-graph replays
+      for batch in 1 8; do
+        python3 benchmarks/mla_decode.py --cuda-graph --batch $batch --heads 16 128 --q-len 1 --ctx 512 1024 2048 4096 \
+          --cache bf16 e4m3 --out "$out/mla_decode_batch$batch.json" 2>&1 | tee -a "$out/bench-small.log" | tail -n 40 || break
+      done ;;
     tune-gemm)
       python3 -m benchmarks.tune_fp8_gemm --out "$out/gemm_configs.json" 2>"$out/tune-gemm.err" | tee "$out/tune-gemm.log" \
         && export LATENTSPEED_FP8_GEMM_CONFIGS=$(realpath "$out")/gemm_configs.json ;;
