@@ -7,7 +7,9 @@
     latentspeed quantize native-fp8 --model DIR --out DIR [--overwrite]
 """
 
+import contextlib
 import json
+import os
 import sys
 from collections import Counter
 
@@ -49,26 +51,18 @@ def run(args) -> int:
         return 2
     if args.action == "native-fp8":
         return _native_fp8(args)
-    try:
-        import llmcompressor  # noqa: F401
-    except ImportError:
-        print("latentspeed quantize: llm-compressor is not installed here; it runs in its own environment: "
-              "pip install 'latentspeed[quantize]'", file=sys.stderr)
-        return 2
-    try:
-        if args.action == "verify":
-            from quant_recipes.verify import verify
-
-            report = verify(args.model, args.reference, args.calib, args.num_samples or 8, args.max_seq_len,
-                            log=_log)
-        else:
-            from quant_recipes.quantize import quantize
-
-            report = quantize(args.model, args.recipe, args.out, args.calib, args.num_samples or 64,
-                              args.max_seq_len, args.device, args.overwrite, log=_log)
-    except QuantizeError as err:
-        print(f"latentspeed quantize: {err}", file=sys.stderr)
-        return 2
+    with _stdout_to_stderr():
+        try:
+            import llmcompressor  # noqa: F401
+        except ImportError:
+            print("latentspeed quantize: llm-compressor is not installed here; it runs in its own environment: "
+                  "pip install 'latentspeed[quantize]'", file=sys.stderr)
+            return 2
+        try:
+            report = _run(args)
+        except QuantizeError as err:
+            print(f"latentspeed quantize: {err}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(report, indent=1))
     elif args.action == "verify":
@@ -76,6 +70,32 @@ def run(args) -> int:
     else:
         print(format_summary(report))
     return 0
+
+
+def _run(args) -> dict:
+    if args.action == "verify":
+        from quant_recipes.verify import verify
+
+        return verify(args.model, args.reference, args.calib, args.num_samples or 8, args.max_seq_len, log=_log)
+    from quant_recipes.quantize import quantize
+
+    return quantize(args.model, args.recipe, args.out, args.calib, args.num_samples or 64, args.max_seq_len,
+                    args.device, args.overwrite, log=_log)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """What is written to file descriptor 1 meanwhile goes to stderr: llm-compressor logs to the
+    stdout it found at import, and stdout is the report's (``--json``)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _native_fp8(args) -> int:

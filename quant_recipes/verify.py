@@ -1,6 +1,6 @@
 """``latentspeed quantize verify``: a quantized checkpoint against its bf16 reference, on the CPU.
 
-compressed-tensors dequantizes the checkpoint back to bf16 tensors (transformers cannot load
+compressed-tensors dequantizes the checkpoint (its own format or DeepSeek-V3's native FP8) back to bf16 tensors (transformers cannot load
 per-expert quantized tensors into its fused expert modules); both models then run the same
 calibration text in transformers. Reported: each linear layer's (and each expert block's)
 output error ``|y_q - y_ref| / |y_ref|`` on the reference's inputs to that layer, and the KL
@@ -18,9 +18,7 @@ def verify(model_dir, reference_dir, calib=None, num_samples: int = 8, max_seq_l
     from compressed_tensors.entrypoints.convert import convert_checkpoint
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    quant_config = read_config(model_dir).get("quantization_config") or {}
-    if quant_config.get("quant_method") != "compressed-tensors":
-        raise QuantizeError(f"{model_dir} is not a compressed-tensors checkpoint")
+    converter = _dequantizer(model_dir, read_config(model_dir).get("quantization_config") or {})
     read_model_config(reference_dir)
     texts, _ = read_calibration_texts(calib or DEFAULT_CALIBRATION)
     try:
@@ -29,7 +27,7 @@ def verify(model_dir, reference_dir, calib=None, num_samples: int = 8, max_seq_l
         tokenizer = AutoTokenizer.from_pretrained(reference_dir)
     with tempfile.TemporaryDirectory() as tmp:
         log(f"dequantizing {model_dir} with compressed-tensors")
-        convert_checkpoint(model_dir, tmp, converter=_weight_dequantizer(model_dir), device="cpu")
+        convert_checkpoint(model_dir, tmp, converter=converter, device="cpu")
         quantized = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16).eval()
     reference = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.bfloat16).eval()
     errors: dict[str, list[float]] = {}
@@ -59,6 +57,21 @@ def verify(model_dir, reference_dir, calib=None, num_samples: int = 8, max_seq_l
     layers = {name: round(sum(v) / len(v), 6) for name, v in errors.items()}
     return {"model": str(model_dir), "reference": str(reference_dir), "tokens": int(kl.numel()),
             "kl_mean": kl.mean().item(), "kl_max": kl.max().item(), "layer_output_rel_error": layers}
+
+
+def _dequantizer(model_dir, quant_config: dict):
+    """compressed-tensors' converter back to bf16 for this checkpoint's format: its own
+    (``quant_method: compressed-tensors``) or DeepSeek-V3's native block FP8 (``quant_method: fp8``,
+    as ``latentspeed quantize native-fp8`` writes it)."""
+    method = quant_config.get("quant_method")
+    if method == "compressed-tensors":
+        return _weight_dequantizer(model_dir)
+    if method == "fp8" and quant_config.get("weight_block_size") == [128, 128]:
+        from compressed_tensors.entrypoints.convert import FP8BlockDequantizer
+
+        return FP8BlockDequantizer(targets=[r"re:.*_proj.*"])
+    raise QuantizeError(f"{model_dir} is neither a compressed-tensors checkpoint nor DeepSeek-V3's native FP8 "
+                        f"with 128 x 128 blocks (quantization_config: {quant_config or 'none'})")
 
 
 def _weight_dequantizer(model_dir):
