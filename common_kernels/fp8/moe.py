@@ -197,7 +197,9 @@ def _block_dot(a, a_s, b_expert, bs_expert, rows, mask_rows, offs_k, mask_k, kb,
 def _moe_gemm(a, a_scale, b, b_scale, out, sorted_ids, block_expert, weights, rows_per_a, gated, apply_weight,
               launch: dict):
     n, k = out.shape[1], b.shape[2]
-    grid = (block_expert.shape[0], triton.cdiv(n, launch["BLOCK_N"]))
+    # Runs are contiguous from block 0 and every run holds at least one of the out.shape[0] pairs, so
+    # no later block has work: with few tokens this skips most of the E * (BLOCK_M - 1) padding blocks.
+    grid = (min(block_expert.shape[0], out.shape[0]), triton.cdiv(n, launch["BLOCK_N"]))
     _moe_gemm_kernel[grid](
         a, a_scale, b, b_scale, out, sorted_ids, block_expert, weights, out.shape[0], n, k, a.stride(0),
         a_scale.stride(0), b.stride(0), b.stride(1), b_scale.stride(0), b_scale.stride(1), out.stride(0),
