@@ -8,6 +8,7 @@ divergence of the next-token distributions, ``KL(reference || quantized)`` per t
 """
 
 import tempfile
+from pathlib import Path
 
 from . import DEFAULT_CALIBRATION
 from .checkpoint import QuantizeError, read_calibration_texts, read_config, read_model_config
@@ -75,13 +76,28 @@ def _dequantizer(model_dir, quant_config: dict):
 
 
 def _weight_dequantizer(model_dir):
-    """compressed-tensors' dequantizer, dropping activation scales (``input_global_scale`` and
-    the like), which describe no weight and which it would otherwise report as orphans."""
+    """compressed-tensors' dequantizer with two corrections. Activation scales (``input_global_scale``
+    and the like) describe no weight, and it would report them as orphans: they are dropped. A group
+    that targets the class ``Linear`` names no tensor, and the converter, which sees names only,
+    would take every ``.weight`` (embeddings too) for a quantized one: only weights stored with a
+    ``weight_scale`` are dequantized, the others pass through."""
     from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+    from safetensors import safe_open
+
+    stored = set()
+    for shard in Path(model_dir).glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            stored.update(f.keys())
 
     class WeightDequantizer(CompressedTensorsDequantizer):
+        def get_dependencies(self, weight_name):
+            dependencies = super().get_dependencies(weight_name)
+            return dependencies if dependencies <= stored else set()
+
         def process(self, tensors):
-            tensors = super().process(tensors)
+            plain = {name: tensors.pop(name) for name in list(tensors)
+                     if name.endswith(".weight") and f"{name}_scale" not in stored}
+            tensors = {**super().process(tensors), **plain}
             return {name: t for name, t in tensors.items() if not name.rpartition(".")[-1].startswith("input_")}
 
     return WeightDequantizer(model_dir)

@@ -151,6 +151,17 @@ class LatentspeedCTConfig(CompressedTensorsConfig):
     def get_name(self) -> str:
         return NAME
 
+    @property
+    def weight_block_size(self) -> list[int] | None:
+        """The weight block of the checkpoint's block-FP8 groups, whatever they target: SGLang's own
+        looks in a group that targets the class ``Linear`` only, and without it cannot place a fused
+        layer's block scales."""
+        blocks = {tuple(weights.block_structure) for scheme in self.target_scheme_map.values()
+                  if (weights := scheme.get("weights")) is not None and weights.block_structure}
+        if len(blocks) > 1:
+            raise ValueError(f"{NAME}: the checkpoint mixes weight blocks {sorted(blocks)}; one block size is supported")
+        return list(blocks.pop()) if blocks else None
+
     def _get_scheme_from_parts(self, weight_quant, input_quant, *args, **kwargs):
         scheme = super()._get_scheme_from_parts(weight_quant, input_quant, *args, **kwargs)
         if type(scheme) is CompressedTensorsW8A8Fp8:

@@ -125,6 +125,29 @@ def test_compressed_tensors_block_layers_use_our_gemm():
     assert_close(layer(x)[0], reference(x, q, s), atol=2e-2, rtol=1e-2, name="compressed-tensors out")
 
 
+def test_compressed_tensors_block_scales_of_fused_layers_load_whatever_the_targets():
+    """SGLang loads each half of a fused layer's block scales at an offset computed from the config's
+    weight block size, which its own config finds only in a group that targets the class Linear. A
+    checkpoint whose groups name layers (latentspeed's fp8 recipes did until 2026-12-01; other tools
+    may) failed there on the H200 (refmodel-eval-2026-12-01): ours finds the block in any group."""
+    named = dict(CT_FP8_BLOCK, config_groups={"group_0": dict(CT_FP8_BLOCK["config_groups"]["group_0"],
+                                                              targets=[r"re:.*mlp\.(gate_up|down)_proj$"])})
+    config = LatentspeedFp8Config.from_config(named)
+    assert config.weight_block_size == [128, 128]
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)), \
+            get_parallel().override(tp_size=1, tp_rank=0):
+        layer = MergedColumnParallelLinear(256, [256, 128], bias=False, quant_config=config,
+                                           params_dtype=torch.bfloat16, prefix="model.layers.0.mlp.gate_up_proj")
+    halves = [quantize_weight_blocks_ref(torch.randn(rows, 256) * 0.05) for rows in (256, 128)]
+    for shard, (q, s) in enumerate(halves):
+        layer.weight.weight_loader(layer.weight, q, shard)
+        layer.weight_scale.weight_loader(layer.weight_scale, s, shard)
+    layer.quant_method.process_weights_after_loading(layer)
+    q, s = torch.cat([q for q, _ in halves]), torch.cat([s for _, s in halves])
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    assert_close(layer(x)[0], reference(x, q, s), atol=2e-2, rtol=1e-2, name="fused layer out")
+
+
 @pytest.mark.parametrize("bad", ["missing", "nan"])
 def test_bad_scales_are_named(bad):
     config = LatentspeedFp8Config.from_config(DEEPSEEK_FP8)
