@@ -27,11 +27,13 @@ for step in "$@"; do
       python3 -m pytest -q -x tests/gpu -p no:warnings --durations=5 2>&1 | tail -n 30 | tee "$out/kernels.log" ;;
     bench)
       python3 benchmarks/mla_decode.py --out "$out/mla_decode.json" 2>&1 | tee "$out/bench.log" | tail -n 80 ;;
-    bench-small)  # issue #6's small batches (1 and 8, context 512-4k), as CUDA-graph replays
-      for batch in 1 8; do
-        python3 benchmarks/mla_decode.py --cuda-graph --batch $batch --heads 16 128 --q-len 1 --ctx 512 1024 2048 4096 \
-          --cache bf16 e4m3 --out "$out/mla_decode_batch$batch.json" 2>&1 | tee -a "$out/bench-small.log" | tail -n 40 || break
-      done ;;
+    bench-small)  # issue #6's small batches (1 and 8, context 512-4k), as CUDA-graph replays; one process per
+      # provider: on 2026-12-01 one of them hit an illegal memory access in this run and ended it for all
+      for batch in 1 8; do for provider in latentspeed FLASHMLA FLASH_ATTN_MLA TRITON_MLA; do
+        python3 benchmarks/mla_decode.py --cuda-graph --batch $batch --providers $provider --heads 16 128 --q-len 1 \
+          --ctx 512 1024 2048 4096 --cache bf16 e4m3 --out "$out/mla_decode_batch${batch}_$provider.json" 2>&1 \
+          | tee -a "$out/bench-small.log" | grep -E '^\{|Error' | tail -n 20
+      done; done ;;
     tune-gemm)
       python3 -m benchmarks.tune_fp8_gemm --out "$out/gemm_configs.json" 2>"$out/tune-gemm.err" | tee "$out/tune-gemm.log" \
         && export LATENTSPEED_FP8_GEMM_CONFIGS=$(realpath "$out")/gemm_configs.json ;;
