@@ -24,10 +24,9 @@ the re-read is served from L2.
 fp8 caches: tiles are widened to fp16 (one native conversion per two values; fp8 to bf16
 costs three more), and the queries are brought to fp16 range by a power of two per row,
 which is exact. Row groups of 64 (``H * S_q >= 33``) instead compute ``Q K^T`` on fp8 tensor
-cores when ``S_q <= 8`` (decode, draft verification): each query row ``[q_nope | q_pe]`` is scaled
-by the power of two that brings its largest magnitude into ``[128, 256)`` and rounded to E4M3
-(``DecodePlan.fp8_queries``; the reference models it with ``fp8_queries=True``), and ``P V``
-stays in fp16.
+cores: each query row ``[q_nope | q_pe]`` is scaled by the power of two that brings its
+largest magnitude into ``[128, 256)`` and rounded to E4M3 (``DecodePlan.fp8_queries``; the
+reference models it with ``fp8_queries=True``), and ``P V`` stays in fp16.
 """
 
 import os
@@ -264,10 +263,9 @@ class DecodePlan:
     num_splits: int
 
     def fp8_queries(self, cache_dtype: torch.dtype) -> bool:
-        """Whether ``Q K^T`` runs in fp8 (queries quantized per row to E4M3): fp8 caches with
-        row groups of 64, for decode and draft verification (``S_q <= FP8_QUERY_MAX_TOKENS``).
-        Longer extends (chunked prefill over a cached prefix) keep fp16 math."""
-        return cache_dtype in FP8_DTYPES and self.block_rows >= MAX_BLOCK_ROWS and self.q_len <= FP8_QUERY_MAX_TOKENS
+        """Whether ``Q K^T`` runs in fp8 (queries quantized per row to E4M3): fp8 caches
+        with row groups of 64."""
+        return cache_dtype in FP8_DTYPES and self.block_rows >= MAX_BLOCK_ROWS
 
     @property
     def row_groups(self) -> int:
@@ -284,11 +282,6 @@ MIN_TOKENS_PER_SPLIT = 256
 # Programs per multiprocessor to aim for: enough to hide the latency of the page loads.
 PROGRAMS_PER_SM = 2
 MAX_BLOCK_ROWS = 64
-# Query tokens per request up to which fp8 caches use fp8 Q K^T. Extends of many tokens are rare
-# and prefill-like, and rounding all their queries to E4M3 showed: +0.14 % perplexity in SGLang's
-# table of the reference model (128-token chunks over the cache) against +0.01 % for a built-in
-# that widens the cache (benchmarks/results/refmodel-eval-2026-11-30-v2.md).
-FP8_QUERY_MAX_TOKENS = 8
 
 
 def plan_decode(

@@ -208,15 +208,6 @@ def test_decode_rejects_bad_input():
         mla_decode(q_nope, q_pe, cache[..., :80].contiguous(), table, lens, 1.0, plan, tree_mask=lens)
 
 
-def test_fp8_query_math_is_for_decode_and_verify_only():
-    e4m3 = torch.float8_e4m3fn
-    assert plan_decode(4, 128, 1, 4096, num_sms=132).fp8_queries(e4m3)  # 128-head decode
-    assert plan_decode(4, 16, 4, 4096, num_sms=132).fp8_queries(e4m3)  # 4 draft tokens, 64 rows
-    assert not plan_decode(4, 16, 1, 4096, num_sms=132).fp8_queries(e4m3)  # 16-row groups: fp16
-    assert not plan_decode(4, 16, 128, 4096, num_sms=132).fp8_queries(e4m3)  # a 128-token extend
-    assert not plan_decode(4, 128, 1, 4096, num_sms=132).fp8_queries(torch.bfloat16)
-
-
 def test_plan_bounds_workspace():
     from common_kernels.mla import max_workspace_tokens_times_splits
 
