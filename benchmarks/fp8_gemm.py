@@ -27,7 +27,7 @@ import triton  # noqa: E402
 
 from common_kernels.fp8 import block_scaled_gemm, quantize_per_token_group  # noqa: E402
 from common_kernels.fp8.gemm import gemm_config  # noqa: E402
-from common_kernels.fp8.reference import quantize_weight_blocks_ref  # noqa: E402
+from common_kernels.fp8.reference import dequantize_weight_blocks_ref, quantize_weight_blocks_ref  # noqa: E402
 
 SHAPES = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
 
@@ -92,7 +92,7 @@ def sglang_cutlass(x, w, ws):
 
 
 def cublas_bf16(x, w, ws):
-    w_bf16 = (w.float() * ws.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]).bfloat16()
+    w_bf16 = dequantize_weight_blocks_ref(w, ws).bfloat16()
     return lambda: x @ w_bf16.T
 
 
@@ -111,7 +111,7 @@ def main():
     rows = []
     for n, k in SHAPES:
         w, ws = quantize_weight_blocks_ref(torch.randn(n, k, device="cuda") / k**0.5)
-        w_deq = w.float() * ws.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        w_deq = dequantize_weight_blocks_ref(w, ws)
         for m in args.m:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.float() @ w_deq.T

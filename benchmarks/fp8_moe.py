@@ -19,6 +19,7 @@ import triton
 
 from benchmarks.timing import in_cuda_graph
 from common_kernels.fp8 import fused_moe_fp8
+from common_kernels.fp8.reference import dequantize_weight_blocks_ref
 
 SHAPES = {"deepseek_v3": (256, 8, 7168, 2048), "tiny": (8, 2, 1024, 256), "refmodel": (8, 2, 256, 128)}
 
@@ -34,15 +35,11 @@ def expert_weights(experts, rows, cols):
 def exact_moe(x, w13, s13, w2, s2, weights, ids):
     """The MoE in fp32 on the dequantized weights with unquantized activations: what both FP8 kernels
     approximate, so each one's own error (not only their difference) is known."""
-    def dequant(w, s):
-        rows, cols = w.shape
-        return (w.float().view(rows // 128, 128, cols // 128, 128) * s[:, None, :, None]).view(rows, cols)
-
     out = torch.zeros(x.shape[0], w2.shape[1], device=x.device)
     for e in ids.unique().tolist():
         rows, slot = (ids == e).nonzero(as_tuple=True)
-        gate, up = (x[rows].float() @ dequant(w13[e], s13[e]).T).chunk(2, dim=-1)
-        y = (torch.nn.functional.silu(gate) * up) @ dequant(w2[e], s2[e]).T
+        gate, up = (x[rows].float() @ dequantize_weight_blocks_ref(w13[e], s13[e]).T).chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up) @ dequantize_weight_blocks_ref(w2[e], s2[e]).T
         out.index_add_(0, rows, y * weights[rows, slot, None])
     return out
 

@@ -12,16 +12,14 @@ the table ``common_kernels.fp8.gemm`` reads (``configs/gemm_<GPU name>.json``, o
 
 import argparse
 import itertools
-import json
-import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import triton
 
 from benchmarks.fp8_gemm import SHAPES
+from benchmarks.tuned_tables import write_tuned_table
 from common_kernels.fp8 import block_scaled_gemm, quantize_per_token_group
 from common_kernels.fp8.gemm import SCALE_BLOCK, default_config
 from common_kernels.fp8.reference import block_scaled_gemm_ref, quantize_weight_blocks_ref
@@ -81,11 +79,7 @@ def main():
             entry = tune_one(m, n, k, w, ws, props.multi_processor_count)
             table.setdefault(shape, {})[str(m)] = entry
             print(f"n={n} k={k} m={m}: {entry}", flush=True)
-        # Rewritten per shape, atomically: a cut-short run keeps what it tuned, and readers never see half a file.
-        partial = Path(f"{args.out}.partial")
-        partial.write_text(json.dumps({"device": props.name, "torch": torch.__version__, "triton": triton.__version__,
-                                       "seconds": round(time.perf_counter() - started), "configs": table}, indent=1))
-        os.replace(partial, args.out)
+        write_tuned_table(args.out, table, started)
 
 
 if __name__ == "__main__":

@@ -13,17 +13,15 @@ time of each winner and of the default.
 
 import argparse
 import itertools
-import json
-import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import triton
 
 from benchmarks.fp8_moe import SHAPES, expert_weights
 from benchmarks.timing import in_cuda_graph
+from benchmarks.tuned_tables import write_tuned_table
 from common_kernels.fp8 import fused_moe_fp8
 from common_kernels.fp8.moe import DEFAULT_CONFIG
 
@@ -80,12 +78,7 @@ def main():
             entry = tune_one(tokens, experts, top_k, hidden, inter, w13, s13, w2, s2)
             table.setdefault(f"{experts},{hidden},{inter},{top_k}", {})[str(tokens)] = entry
             print(f"{shape} tokens={tokens}: {entry}", flush=True)
-        # Rewritten per shape, atomically: a cut-short run keeps what it tuned, and readers never see half a file.
-        partial = Path(f"{args.out}.partial")
-        partial.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                                       "triton": triton.__version__, "seconds": round(time.perf_counter() - started),
-                                       "configs": table}, indent=1))
-        os.replace(partial, args.out)
+        write_tuned_table(args.out, table, started)
 
 
 if __name__ == "__main__":

@@ -90,10 +90,12 @@ def default_config(m: int, n: int, k: int, sms: int) -> dict:
 
 
 @functools.cache
-def _tuned_table(device_name: str) -> dict:
-    """``{"N,K": {"M": config}}`` tuned on this GPU (``benchmarks/tune_fp8_gemm.py``), or empty.
-    ``LATENTSPEED_FP8_GEMM_CONFIGS`` names another file."""
-    path = Path(os.environ.get("LATENTSPEED_FP8_GEMM_CONFIGS") or CONFIG_DIR / f"gemm_{device_name.replace(' ', '_')}.json")
+def tuned_table(kind: str, device_name: str) -> dict:
+    """The ``configs`` of ``configs/<kind>_<GPU name>.json`` (written by ``benchmarks/tune_fp8_<kind>.py``),
+    or empty; ``LATENTSPEED_FP8_<KIND>_CONFIGS`` names another file. GEMM: ``{"N,K": {"M": config}}``;
+    MoE: ``{"E,H,I,k": {"tokens": config}}``."""
+    path = Path(os.environ.get(f"LATENTSPEED_FP8_{kind.upper()}_CONFIGS")
+                or CONFIG_DIR / f"{kind}_{device_name.replace(' ', '_')}.json")
     return json.loads(path.read_text())["configs"] if path.is_file() else {}
 
 
@@ -110,7 +112,7 @@ def gemm_config(m: int, n: int, k: int, device: torch.device) -> dict:
     if device.type != "cuda":
         return dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=2 if k > SCALE_BLOCK else 1, GROUP_M=2, num_warps=4, num_stages=1)
     props = torch.cuda.get_device_properties(device)
-    by_m = _tuned_table(props.name).get(f"{n},{k}")
+    by_m = tuned_table("gemm", props.name).get(f"{n},{k}")
     return nearest_tuned(by_m, m) if by_m else default_config(m, n, k, props.multi_processor_count)
 
 

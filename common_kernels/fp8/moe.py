@@ -17,16 +17,14 @@ multiplies by the routing weight before the store; the ``k`` slots of a token ar
 """
 
 import functools
-import json
 import os
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from ..fp8_format import FP8_DTYPES
-from .gemm import CONFIG_DIR, SCALE_BLOCK, nearest_tuned
+from .gemm import SCALE_BLOCK, nearest_tuned, tuned_table
 from .quant import quantize_per_token_group
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -40,14 +38,6 @@ DEFAULT_CONFIG = {
 }
 
 
-@functools.cache
-def _tuned_table(device_name: str) -> dict:
-    """``{"E,H,I,k": {"tokens": config}}`` tuned on this GPU (``benchmarks/tune_fp8_moe.py``), or
-    empty. ``LATENTSPEED_FP8_MOE_CONFIGS`` names another file."""
-    path = Path(os.environ.get("LATENTSPEED_FP8_MOE_CONFIGS") or CONFIG_DIR / f"moe_{device_name.replace(' ', '_')}.json")
-    return json.loads(path.read_text())["configs"] if path.is_file() else {}
-
-
 @functools.lru_cache(maxsize=4096)
 def moe_config(tokens: int, top_k: int, experts: int, hidden: int, inter: int, device: torch.device) -> dict:
     """The launch config for ``tokens`` routed to ``top_k`` of ``experts`` of ``[2 * inter, hidden]``:
@@ -55,7 +45,7 @@ def moe_config(tokens: int, top_k: int, experts: int, hidden: int, inter: int, d
     ``DEFAULT_CONFIG`` on the CPU (Triton's interpreter)."""
     if device.type != "cuda":
         return DEFAULT_CONFIG
-    by_tokens = _tuned_table(torch.cuda.get_device_properties(device).name).get(f"{experts},{hidden},{inter},{top_k}")
+    by_tokens = tuned_table("moe", torch.cuda.get_device_properties(device).name).get(f"{experts},{hidden},{inter},{top_k}")
     return nearest_tuned(by_tokens, tokens) if by_tokens else untuned_config(tokens * top_k / experts)
 
 

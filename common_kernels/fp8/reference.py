@@ -30,8 +30,13 @@ def block_scaled_gemm_ref(a, a_scale, b, b_scale, out_dtype=torch.bfloat16, bloc
     """``(A * a_scale) @ (B * b_scale).T`` with per-block scales expanded, in fp32."""
     k = a.shape[1]
     a_full = a.float() * a_scale.repeat_interleave(block, dim=1)[:, :k]
-    b_full = b.float() * b_scale.repeat_interleave(block, dim=0)[: b.shape[0]].repeat_interleave(block, dim=1)[:, :k]
-    return (a_full @ b_full.T).to(out_dtype)
+    return (a_full @ dequantize_weight_blocks_ref(b, b_scale, block).T).to(out_dtype)
+
+
+def dequantize_weight_blocks_ref(q: torch.Tensor, scales: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """fp32 ``q * scale`` of each ``block x block`` tile: the inverse of ``quantize_weight_blocks_ref``."""
+    n, k = q.shape
+    return q.float() * scales.repeat_interleave(block, dim=0)[:n].repeat_interleave(block, dim=1)[:, :k]
 
 
 def quantize_weight_blocks_ref(w: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, block: int = 128):

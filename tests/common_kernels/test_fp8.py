@@ -1,9 +1,12 @@
 """FP8 kernels against the PyTorch references (CPU: Triton interpreter; small, ragged shapes)."""
 
+import json
+
 import pytest
 import torch
 
 from common_kernels.fp8 import block_scaled_gemm, quantize_per_token, quantize_per_token_group, quantize_weight_blocks
+from common_kernels.fp8.gemm import tuned_table
 from common_kernels.fp8.reference import (
     block_scaled_gemm_ref,
     quantize_per_token_group_ref,
@@ -149,3 +152,17 @@ def test_support_names_the_limit():
     assert not ok and "weight block [64, 128]" in reason
     ok, reason = is_supported(weight_block=(128, 128), activation_group=128, capability=(8, 0))
     assert not ok and "8.9 or newer" in reason
+
+
+def test_tuned_table_reads_the_file_its_variable_names(tmp_path, monkeypatch):
+
+    table = {"256,7168,2048,8": {"1": {"BLOCK_M": 16}}}
+    (tmp_path / "moe.json").write_text(json.dumps({"device": "X", "configs": table}))
+    monkeypatch.setenv("LATENTSPEED_FP8_MOE_CONFIGS", str(tmp_path / "moe.json"))
+    monkeypatch.setenv("LATENTSPEED_FP8_GEMM_CONFIGS", str(tmp_path / "absent.json"))
+    tuned_table.cache_clear()
+    try:
+        assert tuned_table("moe", "Some GPU") == table
+        assert tuned_table("gemm", "Some GPU") == {}  # no file: heuristics
+    finally:
+        tuned_table.cache_clear()
