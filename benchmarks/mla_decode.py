@@ -45,7 +45,7 @@ def make_inputs(batch, heads, q_len, ctx, cache_dtype, seed=0):
 def ours(q, cache, block_table, seq_lens, q_len, kv_scale):
     batch, heads = block_table.shape[0], q.shape[1]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = plan_decode(batch, heads, q_len, int(seq_lens.max()), sms)
+    plan = plan_decode(batch, heads, q_len, int(seq_lens.max()), sms, cache_dtype=cache.dtype)
     q_nope, q_pe = q[..., :D_LATENT], q[..., D_LATENT:]
     out = torch.empty(q.shape[0], heads, D_LATENT, dtype=q.dtype, device="cuda")
     lse = torch.empty(q.shape[0], heads, dtype=torch.float32, device="cuda")

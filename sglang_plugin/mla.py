@@ -128,17 +128,18 @@ class LatentspeedMLABackend(AttentionBackend):
             tree = self._tree_mask(forward_batch.spec_info, seq_lens, num_draft)
             seq_lens = seq_lens + num_draft
             max_seq_len += num_draft
-            plan = plan_decode(batch, self.num_heads, num_draft, max_seq_len, self.num_sms)
+            plan = plan_decode(batch, self.num_heads, num_draft, max_seq_len, self.num_sms, cache_dtype=self.cache_dtype)
             return ForwardMetadata(self._page_table(forward_batch.req_pool_indices, -(-max_seq_len // self.page_size)),
                                    seq_lens, plan, tree_mask=tree)
         page_table = self._page_table(forward_batch.req_pool_indices, -(-max_seq_len // self.page_size))
         if mode.is_decode_or_idle():
-            return ForwardMetadata(page_table, seq_lens, plan_decode(batch, self.num_heads, 1, max_seq_len, self.num_sms))
+            plan = plan_decode(batch, self.num_heads, 1, max_seq_len, self.num_sms, cache_dtype=self.cache_dtype)
+            return ForwardMetadata(page_table, seq_lens, plan)
         extend_lens = forward_batch.extend_seq_lens.to(torch.int32)
         starts = torch.zeros(2, batch + 1, dtype=torch.int32, device=extend_lens.device)
         torch.cumsum(torch.stack([extend_lens, seq_lens]), 1, out=starts[:, 1:])
         max_extend = max(forward_batch.extend_seq_lens_cpu) if batch else 0
-        plan = plan_decode(batch, self.num_heads, max(1, max_extend), max_seq_len, self.num_sms)
+        plan = plan_decode(batch, self.num_heads, max(1, max_extend), max_seq_len, self.num_sms, cache_dtype=self.cache_dtype)
         return ForwardMetadata(page_table, seq_lens, plan, query_start_loc=starts[0], kv_start_loc=starts[1],
                                max_extend_len=max_extend)
 
@@ -203,6 +204,12 @@ class LatentspeedMLABackend(AttentionBackend):
             stats=self.guard.counters if self.guard is not None else None,
         )
 
+    @staticmethod
+    def _latent_rows(k, k_rope) -> torch.Tensor:
+        """``[T, D_latent + D_rope]`` rows ``[c | r]`` of this step's tokens."""
+        k = k.squeeze(1)
+        return k if k_rope is None else torch.cat([k, k_rope.squeeze(1)], dim=-1)
+
     def _absorbed(self, q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope):
         if save_kv_cache and k is not None:
             self._save_latent(layer, forward_batch, k, k_rope)
@@ -213,6 +220,9 @@ class LatentspeedMLABackend(AttentionBackend):
         else:
             q_nope, q_pe = q.reshape(-1, heads, self.kv_lora_rank), q_rope.reshape(-1, heads, q_rope.shape[-1])
         meta = self.forward_metadata
+        # Extends over an fp8 cache take the new tokens' keys at full precision, as SGLang's
+        # own backends do (benchmarks/results/fp8-cache-exposure-2026-12-01.md).
+        fresh = k is not None and self.is_fp8 and meta.query_start_loc is not None
         out, _ = mla_decode(
             q_nope,
             q_pe,
@@ -224,6 +234,7 @@ class LatentspeedMLABackend(AttentionBackend):
             kv_scale=self.unit_scale if self.is_fp8 else None,
             tree_mask=meta.tree_mask,
             query_start_loc=meta.query_start_loc,
+            fresh_kv=self._latent_rows(k, k_rope).to(q_nope.dtype) if fresh else None,
         )
         return out.view(-1, heads * layer.v_head_dim)
 

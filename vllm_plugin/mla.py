@@ -161,6 +161,7 @@ class LatentspeedMLAMetadataBuilder(MLACommonMetadataBuilder[LatentspeedMLAMetad
         self._num_sms = num_compute_units(device.index or 0)
         quantized = vllm_config.quant_config is not None and vllm_config.quant_config.get_name() == FP8_METHOD
         fp8_cache = kv_cache_spec.cache_dtype_str.startswith("fp8")
+        self._cache_dtype = cache_torch_dtype(kv_cache_spec.cache_dtype_str, kv_cache_spec.dtype)
         # One host read every check_every steps covers the cache writes and latentspeed_fp8's linears.
         self._fp8_guard = fp8_guard(device) if fp8_cache or quantized else None
         self._reserve_decode_workspace()
@@ -197,6 +198,7 @@ class LatentspeedMLAMetadataBuilder(MLACommonMetadataBuilder[LatentspeedMLAMetad
             max_seq_len=max_seq_len,
             num_sms=self._num_sms,
             num_splits=1 if envs.VLLM_BATCH_INVARIANT else None,
+            cache_dtype=self._cache_dtype,
         )
         if self._fp8_guard is not None:
             self._fp8_guard.step()

@@ -27,6 +27,11 @@ which is exact. Row groups of 64 (``H * S_q >= 33``) instead compute ``Q K^T`` o
 cores: each query row ``[q_nope | q_pe]`` is scaled by the power of two that brings its
 largest magnitude into ``[128, 256)`` and rounded to E4M3 (``DecodePlan.fp8_queries``; the
 reference models it with ``fp8_queries=True``), and ``P V`` stays in fp16.
+
+Extends over an fp8 cache can pass the new tokens' own latent rows (``fresh_kv``): the cached
+prefix is then one launch (every query sees all of it) and the new tokens' causal block a
+second one over those dense rows at full precision, merged as one more split. Only the
+prefix is read rounded, as in the engines' own MHA prefill paths.
 """
 
 import os
@@ -102,6 +107,8 @@ def _mla_decode_split_kernel(
     DIRECT_OUT: tl.constexpr,
     TREE_MASK: tl.constexpr,
     VARLEN: tl.constexpr,
+    PREFIX_ONLY: tl.constexpr,
+    KEYS_DENSE: tl.constexpr,
 ):
     pid_g = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -121,18 +128,27 @@ def _mla_decode_split_kernel(
     head = offs_r % NUM_HEADS
     tok = q_start + tok_j
 
-    seq_len = tl.load(seq_lens_ptr + pid_b)
     # The request's query tokens are its last q_len cache positions, from draft_start on.
     # Causal: token j sees positions < draft_start + j + 1. Tree: the whole prefix, and draft
-    # token k when bit k of the request's mask word for token j is set.
-    draft_start = seq_len - q_len
+    # token k when bit k of the request's mask word for token j is set. PREFIX_ONLY: the keys
+    # stop at draft_start, all visible to every query. KEYS_DENSE: the keys are the query
+    # tokens' own rows, dense from row q_start of cache_ptr, causal.
+    if KEYS_DENSE:
+        draft_start = 0
+        num_keys = q_len
+    else:
+        seq_len = tl.load(seq_lens_ptr + pid_b)
+        draft_start = seq_len - q_len
+        num_keys = seq_len
+        if PREFIX_ONLY:
+            num_keys = draft_start
     if TREE_MASK:
         mask_bits = tl.load(tree_mask_ptr + tok, mask=mask_r, other=0)  # [BLOCK_R] int64
     else:
         visible = draft_start + 1 + tok_j  # [BLOCK_R]
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N
     start = pid_s * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    end = tl.minimum(start + split_len, num_keys)
 
     offs_c = tl.arange(0, D_LATENT)
     offs_p = tl.arange(0, D_ROPE)
@@ -170,10 +186,13 @@ def _mla_decode_split_kernel(
 
     bt_row = block_table_ptr + pid_b * stride_bt_b
     for n0 in range(start, end, BLOCK_N):
-        page = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        rows = cache_ptr + page * stride_cache_block + (offs_n % PAGE_SIZE)[:, None] * stride_cache_tok
+        if KEYS_DENSE:
+            rows = cache_ptr + (q_start + offs_n)[:, None] * stride_cache_tok
+        else:
+            page = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)
+            rows = cache_ptr + page * stride_cache_block + (offs_n % PAGE_SIZE)[:, None] * stride_cache_tok
         kv_c = tl.load(rows + offs_c[None, :], mask=mask_n[:, None], other=0.0)  # [BLOCK_N, D_LATENT]
         k_pe = tl.load(rows + D_LATENT + offs_p[None, :], mask=mask_n[:, None], other=0.0)  # [BLOCK_N, D_ROPE]
         if IS_FP8:
@@ -190,6 +209,8 @@ def _mla_decode_split_kernel(
             draft_k = offs_n - draft_start  # [BLOCK_N]
             in_tree = ((mask_bits[:, None] >> tl.maximum(draft_k, 0)[None, :].to(tl.int64)) & 1) != 0
             seen = mask_n[None, :] & ((draft_k < 0)[None, :] | in_tree)
+        elif PREFIX_ONLY:
+            seen = mask_n[None, :]
         else:
             seen = mask_n[None, :] & (offs_n[None, :] < visible[:, None])
         scores = tl.where(seen, scores * score_scale[:, None], float("-inf"))
@@ -271,25 +292,46 @@ class DecodePlan:
     def row_groups(self) -> int:
         return triton.cdiv(self.num_heads * self.q_len, self.block_rows)
 
-    def workspace_shapes(self, d_latent: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Shapes of the fp32 partial output and partial log-sum-exp buffers."""
-        tokens = self.batch * self.q_len
-        return (tokens, self.num_heads, self.num_splits, d_latent), (tokens, self.num_heads, self.num_splits)
+    def workspace_shapes(self, d_latent: int, fresh_kv: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of the fp32 partial output and partial log-sum-exp buffers (one more partial
+        with ``fresh_kv``)."""
+        tokens, parts = self.batch * self.q_len, self.num_splits + fresh_kv
+        return (tokens, self.num_heads, parts, d_latent), (tokens, self.num_heads, parts)
 
 
-# Fewer than this many cache tokens per split costs more in the merge than it gains.
-MIN_TOKENS_PER_SPLIT = 256
-# Programs per multiprocessor to aim for: enough to hide the latency of the page loads.
-PROGRAMS_PER_SM = 2
 MAX_BLOCK_ROWS = 64
+# Splits shorter than this cost more in the merge than they gain (H200, batch 1: 64 tokens beat
+# 128 and 256 up to 2k tokens).
+MIN_TOKENS_PER_SPLIT = 64
+# Beyond this many splits the fp32 partials (H x D_latent per split and query token) cost more
+# to write and merge than the extra parallelism gains (H200, batch 1, 4k tokens: 32 beat 64).
+MAX_SPLITS = 32
+MAX_PROGRAMS_PER_SM = 3
+
+
+def programs_per_sm(block_rows: int, cache_dtype: torch.dtype | None) -> int:
+    """Split-kernel programs one multiprocessor holds at once with ``_launch_config``'s choices:
+    three 4-warp bf16 launches of 16-row groups (159 registers a thread, ptxas for sm_90a; three
+    beat two at batch 128); one 8-warp launch (all 255 registers a thread)."""
+    return MAX_PROGRAMS_PER_SM if block_rows <= 16 and cache_dtype not in FP8_DTYPES else 1
 
 
 def plan_decode(
-    batch: int, num_heads: int, q_len: int, max_seq_len: int, num_sms: int, num_splits: int | None = None
+    batch: int,
+    num_heads: int,
+    q_len: int,
+    max_seq_len: int,
+    num_sms: int,
+    num_splits: int | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> DecodePlan:
     """Choose the row-group size and the split count for one decode batch.
 
-    ``num_splits`` overrides the heuristic (1 gives a deterministic, batch-invariant merge).
+    The split count fills one wave of the GPU (``programs_per_sm`` programs per multiprocessor)
+    without giving a split fewer than ``MIN_TOKENS_PER_SPLIT`` tokens or making more than
+    ``MAX_SPLITS`` (benchmarks/results/mla_decode-splits-2026-12-01.md). ``cache_dtype``
+    (default bf16) sets the launch, hence the occupancy. ``num_splits`` overrides the heuristic
+    (1 gives a deterministic, batch-invariant merge).
     """
     if batch < 0 or num_heads < 1 or q_len < 1:
         raise ValueError(f"bad decode batch: batch={batch}, num_heads={num_heads}, q_len={q_len}")
@@ -297,16 +339,16 @@ def plan_decode(
     block_rows = min(MAX_BLOCK_ROWS, max(16, triton.next_power_of_2(rows)))
     if num_splits is None:
         groups = max(1, batch) * triton.cdiv(rows, block_rows)
-        by_occupancy = triton.cdiv(PROGRAMS_PER_SM * num_sms, groups)
+        by_occupancy = programs_per_sm(block_rows, cache_dtype) * num_sms // groups
         by_length = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
-        num_splits = max(1, min(by_occupancy, by_length))
+        num_splits = max(1, min(by_occupancy, by_length, MAX_SPLITS))
     return DecodePlan(batch, q_len, num_heads, block_rows, num_splits)
 
 
 def max_workspace_tokens_times_splits(max_batch: int, num_sms: int) -> int:
     """An upper bound of ``batch * num_splits`` over every plan ``plan_decode`` can make for
     batches up to ``max_batch``: reserve decode workspaces with it once, up front."""
-    return max_batch + PROGRAMS_PER_SM * num_sms
+    return max(max_batch, MAX_PROGRAMS_PER_SM * num_sms)
 
 
 MAX_TREE_TOKENS = 64  # one int64 mask word per query token
@@ -358,6 +400,14 @@ def _validate(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, plan, tre
             )
 
 
+def _validate_fresh(fresh_kv, q_nope, d_total, tree_mask):
+    if fresh_kv.shape != (q_nope.shape[0], d_total) or fresh_kv.dtype != q_nope.dtype or fresh_kv.stride(-1) != 1:
+        raise ValueError(f"fresh_kv must be [T, D_latent + D_rope] = [{q_nope.shape[0]}, {d_total}] {q_nope.dtype} "
+                         f"with a contiguous last dimension, got {fresh_kv.dtype} {tuple(fresh_kv.shape)}")
+    if tree_mask is not None:
+        raise ValueError("fresh_kv is not supported with tree_mask")
+
+
 def mla_decode(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -372,6 +422,7 @@ def mla_decode(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     tree_mask: torch.Tensor | None = None,
     query_start_loc: torch.Tensor | None = None,
+    fresh_kv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight-absorbed MLA decode over a paged latent cache (module docstring: the formula).
 
@@ -401,6 +452,11 @@ def mla_decode(
         query_start_loc: optional ``[B + 1]`` int32 prefix sums of per-request query counts,
             for ragged query lengths (chunked prefill over a cached prefix in absorbed form);
             ``plan.q_len`` is then the largest count. Causal within each request.
+        fresh_kv: optional ``[T, D_latent + D_rope]`` rows ``[c | r]`` of the query tokens
+            themselves, in the query dtype: their positions (the last ``S_q`` of each request)
+            are read from here instead of the cache. For extends over an fp8 cache, whose
+            copy of the new tokens is rounded; costs one more launch and partial. Not with
+            ``tree_mask``.
 
     Returns:
         ``(out, lse)``: ``out [T, H, D_latent]`` in the query dtype, ``lse [T, H]`` fp32.
@@ -411,6 +467,8 @@ def mla_decode(
         out, lse = mla_decode(q_nope, q_pe, cache, block_table, seq_lens, 192**-0.5, plan)
     """
     _validate(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, plan, tree_mask, query_start_loc)
+    if fresh_kv is not None:
+        _validate_fresh(fresh_kv, q_nope, kv_cache.shape[-1], tree_mask)
     num_tokens, num_heads, d_latent = q_nope.shape
     if out is None:
         out = q_nope.new_empty(num_tokens, num_heads, d_latent)
@@ -418,67 +476,36 @@ def mla_decode(
         lse = q_nope.new_empty(num_tokens, num_heads, dtype=torch.float32)
     if num_tokens == 0:
         return out, lse
-    is_fp8 = kv_cache.dtype in FP8_DTYPES
-    scale = kv_scale if is_fp8 else seq_lens  # never read when not fp8
-    direct = plan.num_splits == 1
+    num_parts = plan.num_splits + (fresh_kv is not None)
+    direct = num_parts == 1
     if direct:
         part_out, part_lse = out, lse
         part_out_strides = (out.stride(0), out.stride(1), 0)
     else:
         if workspace is None:
-            po_shape, pl_shape = plan.workspace_shapes(d_latent)
+            po_shape, pl_shape = plan.workspace_shapes(d_latent, fresh_kv is not None)
             workspace = (
                 q_nope.new_empty(po_shape, dtype=torch.float32),
                 q_nope.new_empty(pl_shape, dtype=torch.float32),
             )
         part_out, part_lse = workspace
         part_out_strides = part_out.stride()[:3]
-    grid = (plan.row_groups, plan.num_splits, plan.batch)
-    block_n, num_warps, num_stages = _launch_config(plan.block_rows, kv_cache.shape[1], is_fp8)
-    _mla_decode_split_kernel[grid](
-        q_nope,
-        q_pe,
-        kv_cache,
-        block_table,
-        seq_lens,
-        scale,
-        tree_mask if tree_mask is not None else seq_lens,  # never read without a tree
-        query_start_loc if query_start_loc is not None else seq_lens,  # never read when uniform
-        part_out,
-        part_lse,
-        softmax_scale * _LOG2E,
-        plan.q_len,
-        q_nope.stride(0),
-        q_nope.stride(1),
-        q_pe.stride(0),
-        q_pe.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        block_table.stride(0),
-        *part_out_strides,
-        part_lse.stride(0),
-        part_lse.stride(1),
-        NUM_HEADS=num_heads,
-        D_LATENT=d_latent,
-        D_ROPE=q_pe.shape[-1],
-        PAGE_SIZE=kv_cache.shape[1],
-        BLOCK_R=plan.block_rows,
-        IS_FP8=is_fp8,
-        FP8_QUERIES=plan.fp8_queries(kv_cache.dtype),
-        DIRECT_OUT=direct,
-        TREE_MASK=tree_mask is not None,
-        VARLEN=query_start_loc is not None,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    launch = dict(q_nope=q_nope, q_pe=q_pe, block_table=block_table, seq_lens=seq_lens, tree_mask=tree_mask,
+                  query_start_loc=query_start_loc, part_out_strides=part_out_strides, direct=direct,
+                  softmax_scale=softmax_scale, plan=plan)
+    _launch_split(keys=kv_cache, kv_scale=kv_scale, part_out=part_out, part_lse=part_lse, num_splits=plan.num_splits,
+                  prefix_only=fresh_kv is not None, **launch)
+    if fresh_kv is not None:  # the query tokens' own rows, as one more partial
+        last = plan.num_splits
+        _launch_split(keys=fresh_kv, kv_scale=None, part_out=part_out[:, :, last:], part_lse=part_lse[:, :, last:],
+                      num_splits=1, prefix_only=False, **launch)
     if not direct:
         _mla_decode_combine_kernel[(num_tokens, num_heads)](
             part_out,
             part_lse,
             out,
             lse,
-            plan.num_splits,
+            num_parts,
             *part_out.stride()[:3],
             part_lse.stride(0),
             part_lse.stride(1),
@@ -489,3 +516,52 @@ def mla_decode(
             D_LATENT=d_latent,
         )
     return out, lse
+
+
+def _launch_split(q_nope, q_pe, keys, block_table, seq_lens, kv_scale, tree_mask, query_start_loc, part_out, part_lse,
+                  part_out_strides, direct, num_splits, softmax_scale, plan, prefix_only):
+    """One launch of the split kernel over ``keys``: the paged cache ``[N_blocks, B_page, D]``,
+    or (2-D) the query tokens' own rows ``[T, D]``."""
+    dense = keys.dim() == 2
+    is_fp8 = keys.dtype in FP8_DTYPES
+    page_size = MAX_BLOCK_ROWS if dense else keys.shape[1]
+    block_n, num_warps, num_stages = _launch_config(plan.block_rows, page_size, is_fp8)
+    _mla_decode_split_kernel[(plan.row_groups, num_splits, plan.batch)](
+        q_nope,
+        q_pe,
+        keys,
+        block_table,
+        seq_lens,
+        kv_scale if is_fp8 else seq_lens,  # never read when not fp8
+        tree_mask if tree_mask is not None else seq_lens,  # never read without a tree
+        query_start_loc if query_start_loc is not None else seq_lens,  # never read when uniform
+        part_out,
+        part_lse,
+        softmax_scale * _LOG2E,
+        plan.q_len,
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        0 if dense else keys.stride(0),
+        keys.stride(-2),
+        block_table.stride(0),
+        *part_out_strides,
+        part_lse.stride(0),
+        part_lse.stride(1),
+        NUM_HEADS=q_nope.shape[1],
+        D_LATENT=q_nope.shape[-1],
+        D_ROPE=q_pe.shape[-1],
+        PAGE_SIZE=page_size,
+        BLOCK_R=plan.block_rows,
+        IS_FP8=is_fp8,
+        FP8_QUERIES=plan.fp8_queries(keys.dtype),
+        DIRECT_OUT=direct,
+        TREE_MASK=tree_mask is not None,
+        VARLEN=query_start_loc is not None,
+        PREFIX_ONLY=prefix_only,
+        KEYS_DENSE=dense,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )

@@ -74,6 +74,7 @@ def mla_decode_ref(
     tree_mask: torch.Tensor | None = None,
     query_start_loc: torch.Tensor | None = None,
     fp8_queries: bool = False,
+    fresh_kv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight-absorbed MQA over the paged latent cache.
 
@@ -85,8 +86,11 @@ def mla_decode_ref(
     ``b`` has ``query_start_loc[b + 1] - query_start_loc[b]`` query tokens instead. Returns ``out [T, H, D_latent]`` (fp32) and
     ``lse [T, H]`` (fp32, natural log; ``-inf`` and a zero output where nothing is visible).
     ``fp8_queries`` rounds each query row ``[q_nope | q_pe]`` to E4M3 first (with a power-of-two
-    scale per row), as the kernel does when ``DecodePlan.fp8_queries`` holds.
+    scale per row), as the kernel does when ``DecodePlan.fp8_queries`` holds. ``fresh_kv
+    [T, D_latent + D_rope]`` replaces the cache rows of the query tokens' own positions; the
+    queries are then rounded only for the prefix, the kernel's own-rows launch being exact.
     """
+    q_exact = (q_nope.float(), q_pe.float())
     if fp8_queries:
         q_nope, q_pe = quantize_query_rows(q_nope, q_pe)
     num_tokens, num_heads, d_latent = q_nope.shape
@@ -100,6 +104,9 @@ def mla_decode_ref(
         kv = gather_request_cache(kv_cache, block_table[b], seq_len, kv_scale)
         q_start = int(query_start_loc[b])
         q_len = int(query_start_loc[b + 1]) - q_start
+        own = torch.arange(seq_len, device=kv.device) >= seq_len - q_len  # the query tokens' positions
+        if fresh_kv is not None:
+            kv[seq_len - q_len :] = fresh_kv[q_start : q_start + q_len].float()
         for j in range(q_len):
             t = q_start + j
             pos = torch.arange(seq_len, device=kv.device)
@@ -113,7 +120,10 @@ def mla_decode_ref(
             if not seen.any():
                 continue
             k = kv[seen]
-            scores = (q_nope[t].float() @ k[:, :d_latent].T + q_pe[t].float() @ k[:, d_latent:].T)
+            scores = q_nope[t].float() @ k[:, :d_latent].T + q_pe[t].float() @ k[:, d_latent:].T
+            if fresh_kv is not None:
+                exact = q_exact[0][t] @ k[:, :d_latent].T + q_exact[1][t] @ k[:, d_latent:].T
+                scores = torch.where(own[seen], exact, scores)
             scores = scores * softmax_scale
             lse[t] = torch.logsumexp(scores, dim=-1)
             out[t] = torch.softmax(scores, dim=-1) @ k[:, :d_latent]

@@ -172,6 +172,40 @@ def test_decode_ragged_queries_match_reference(cache_name, num_splits):
     assert_close(lse, ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1], name="ragged decode lse")
 
 
+@pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())
+@pytest.mark.parametrize("num_splits", [1, 2], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("ragged", [True, False], ids=["ragged", "uniform"])
+def test_decode_fresh_rows_replace_cached_ones(cache_name, num_splits, ragged):
+    """With ``fresh_kv`` the query tokens' own positions come from it, never from the cache: the
+    cache holds NaN there, so reading it shows. The prefix is read from the cache."""
+    d_latent, d_rope, num_heads, block_size = 64, 16, 4, 16
+    dev, cache_dtype = device(), CACHE_DTYPES[cache_name]
+    q_lens, seq_lens_list = ((3, 0, 21, 1, 9), (40, 7, 21, 1, 70)) if ragged else ((5, 5, 5), (5, 33, 17))
+    kv_scale = torch.tensor([0.5], device=dev) if cache_name in FP8_CACHE else None
+    cache, block_table = make_paged_cache(seq_lens_list, block_size, d_latent + d_rope, cache_dtype, 0.5 if kv_scale is not None else 1.0)
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens_list)):
+        for pos in range(seq_len - q_len, seq_len):
+            cache[block_table[b, pos // block_size], pos % block_size] = float("nan")
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    num_tokens = sum(q_lens)
+    q_nope = torch.randn(num_tokens, num_heads, d_latent, device=dev, dtype=torch.bfloat16)
+    q_pe = torch.randn(num_tokens, num_heads, d_rope, device=dev, dtype=torch.bfloat16)
+    fresh = torch.randn(num_tokens, d_latent + d_rope, device=dev, dtype=torch.bfloat16)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=dev)
+    plan = plan_decode(len(q_lens), num_heads, max(q_lens), max(seq_lens_list), num_sms=4, num_splits=num_splits)
+    out = torch.full((num_tokens, num_heads, d_latent), float("nan"), dtype=torch.bfloat16, device=dev)
+    loc = starts if ragged else None
+
+    _, lse = mla_decode(q_nope, q_pe, cache, block_table, seq_lens, 0.125, plan, kv_scale, out=out,
+                        query_start_loc=loc, fresh_kv=fresh)
+
+    ref_out, ref_lse = mla_decode_ref(q_nope, q_pe, cache, block_table, seq_lens, 0.125, kv_scale or 1.0,
+                                      query_start_loc=loc, fp8_queries=plan.fp8_queries(cache_dtype), fresh_kv=fresh)
+    atol, rtol = DECODE_TOL[cache_name]
+    assert_close(out, ref_out, atol=atol, rtol=rtol, name="fresh-rows decode out")
+    assert_close(lse, ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1], name="fresh-rows decode lse")
+
+
 def test_decode_chain_tree_equals_causal():
     dev = device()
     cache, table = make_paged_cache((30, 9), 16, 80, torch.bfloat16, 1.0)
@@ -206,10 +240,13 @@ def test_decode_rejects_bad_input():
         mla_decode(q_nope, q_pe, cache[..., :80].contiguous(), table.long(), lens, 1.0, plan)
     with pytest.raises(ValueError, match=r"tree_mask must be a contiguous int64 \[B, S_q\] = \[2, 1\]"):
         mla_decode(q_nope, q_pe, cache[..., :80].contiguous(), table, lens, 1.0, plan, tree_mask=lens)
+    with pytest.raises(ValueError, match=r"fresh_kv must be \[T, D_latent \+ D_rope\] = \[2, 80\]"):
+        mla_decode(q_nope, q_pe, cache[..., :80].contiguous(), table, lens, 1.0, plan, fresh_kv=q_nope[:, 0])
 
 
 def test_plan_bounds_workspace():
     from common_kernels.mla import max_workspace_tokens_times_splits
+    from common_kernels.mla.decode import MAX_SPLITS
 
     for batch in (1, 3, 17, 128, 512):
         for heads in (16, 128):
@@ -217,7 +254,12 @@ def test_plan_bounds_workspace():
                 plan = plan_decode(batch, heads, q_len, 1 << 17, num_sms=132)
                 assert plan.batch * plan.num_splits <= max_workspace_tokens_times_splits(batch, 132)
                 assert 1 <= plan.num_splits
-    assert plan_decode(1, 16, 1, 100, num_sms=132).num_splits == 1  # short context: no split
+    assert plan_decode(1, 16, 1, 64, num_sms=132).num_splits == 1  # short context: no split
+    assert plan_decode(1, 16, 1, 1 << 17, num_sms=132).num_splits == MAX_SPLITS
+    # One wave: 8 requests x 2 row groups of 64 rows, one program per multiprocessor.
+    assert plan_decode(8, 128, 1, 1 << 17, num_sms=132).num_splits == 132 // 16
+    assert plan_decode(128, 16, 1, 1 << 17, num_sms=132).num_splits == 3 * 132 // 128
+    assert plan_decode(8, 16, 1, 1 << 17, num_sms=132, cache_dtype=torch.float8_e4m3fn).num_splits == 132 // 8
 
 
 @pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())

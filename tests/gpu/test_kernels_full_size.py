@@ -28,12 +28,37 @@ def test_decode_full_size(cache_name, num_heads, q_len, block_size):
     q_pe = torch.randn(tokens, num_heads, 64, device="cuda", dtype=torch.bfloat16)
     lens = torch.tensor(seq_lens_list, dtype=torch.int32, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = plan_decode(len(seq_lens_list), num_heads, q_len, max(seq_lens_list), sms)
+    plan = plan_decode(len(seq_lens_list), num_heads, q_len, max(seq_lens_list), sms, cache_dtype=cache_dtype)
     out, lse = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale)
     ref, ref_lse = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0,
                                   fp8_queries=plan.fp8_queries(cache_dtype))
     assert_close(out, ref, atol=1e-2, rtol=2e-2, name="decode out")
     assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="decode lse")
+
+
+@pytest.mark.parametrize("cache_name", FP8_CACHE.keys())
+@pytest.mark.parametrize("num_heads", [16, 128], ids=lambda h: f"H{h}")
+def test_extend_with_fresh_rows_full_size(cache_name, num_heads):
+    """Chunked-prefill extends over an fp8 cache, the new tokens' own rows at full precision."""
+    q_lens, prefix = (128, 1, 77, 0), (4000, 0, 900, 33)
+    seq_lens_list = [p + q for p, q in zip(prefix, q_lens)]
+    cache_dtype = CACHE_DTYPES[cache_name]
+    kv_scale = torch.tensor([0.02], device="cuda")
+    cache, table = make_paged_cache(seq_lens_list, 64, 576, cache_dtype, 0.02)
+    tokens = sum(q_lens)
+    q_nope = torch.randn(tokens, num_heads, 512, device="cuda", dtype=torch.bfloat16) * 0.1
+    q_pe = torch.randn(tokens, num_heads, 64, device="cuda", dtype=torch.bfloat16)
+    fresh = torch.randn(tokens, 576, device="cuda", dtype=torch.bfloat16)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    lens = torch.tensor(seq_lens_list, dtype=torch.int32, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = plan_decode(len(q_lens), num_heads, max(q_lens), max(seq_lens_list), sms, cache_dtype=cache_dtype)
+    out, lse = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale,
+                          query_start_loc=starts, fresh_kv=fresh)
+    ref, ref_lse = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale, query_start_loc=starts,
+                                  fp8_queries=plan.fp8_queries(cache_dtype), fresh_kv=fresh)
+    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="extend out")
+    assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="extend lse")
 
 
 @pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())

@@ -87,7 +87,8 @@ def batch(mode, seq_lens, out_cache_loc, **fields):
 @pytest.mark.parametrize("cache_name", CACHES.keys())
 def test_extend_over_prefix_then_decode(cache_name):
     """A chunked prefill over a cached prefix (absorbed, ragged), then one decode step: the
-    pool holds what SGLang's own reader expects, and both outputs match the reference."""
+    pool holds what SGLang's own reader expects, and both outputs match the reference. The
+    extend reads its own tokens' keys unrounded (``fresh_kv``), the prefix from the cache."""
     backend, runner = make_backend(CACHES[cache_name])
     pool, layer = runner.token_to_kv_pool, mqa_layer()
     prefix, new = [20, 0, 33], [5, 9, 1]
@@ -110,7 +111,8 @@ def test_extend_over_prefix_then_decode(cache_name):
     assert torch.equal(stored, as_stored(kv.squeeze(1).float(), cache_dtype)), "pool rows differ from a plain cast"
     cache, meta = pool.get_key_buffer(0).view(-1, PAGE, D_LATENT + D_ROPE), backend.forward_metadata
     ref, _ = mla_decode_ref(q[..., :D_LATENT], q[..., D_LATENT:], cache, meta.page_table, meta.seq_lens, SCALE,
-                            query_start_loc=meta.query_start_loc, fp8_queries=meta.plan.fp8_queries(cache.dtype))
+                            query_start_loc=meta.query_start_loc, fp8_queries=meta.plan.fp8_queries(cache.dtype),
+                            fresh_kv=kv.squeeze(1))
     assert_close(out.view(-1, HEADS, D_LATENT), ref, atol=2e-2, rtol=2e-2, name="extend out")
 
     # One decode step, queries split as DeepSeek passes them to absorbing backends.
