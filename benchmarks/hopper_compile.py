@@ -1,0 +1,154 @@
+"""What a kernel becomes on Hopper, read on any machine: compile it for sm_90a with Triton's bundled
+ptxas (no GPU, no driver) and report registers, spills, wgmma instructions, pipelined async
+copies and the MMA layouts Triton chose.
+
+    python -m benchmarks.hopper_compile decode --heads 128 --cache bf16
+    python -m benchmarks.hopper_compile gemm --block 64 128 --warps 4 --stages 4
+
+The launches mirror the real ones (``_launch_config`` and ``plan_decode`` for the decode, a
+tuned-table entry for the GEMM). Pointers and strides are marked 16-byte divisible, as Triton's
+runtime marks them: without that hint the compile shows no async copies and spills that the
+real launch does not have (``benchmarks/notes.md``, 2026-12-01).
+"""
+
+import argparse
+import dataclasses
+import inspect
+import json
+import os
+import re
+import subprocess
+import tempfile
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+
+HOPPER = GPUTarget("cuda", 90, 128)
+_TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
+                 torch.float8_e5m2: "fp8e5", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperReport:
+    registers: int
+    spill_bytes: int  # spill stores + spill loads, per thread
+    wgmma: int  # wgmma.mma_async instructions in the PTX
+    async_copies: int  # cp.async copies the software pipeliner made (ttgir ops)
+    mma_layouts: tuple[str, ...]  # warpsPerCTA and instrShape of each MMA layout
+
+    def line(self) -> str:
+        return (f"registers {self.registers}, spills {self.spill_bytes} B, wgmma {self.wgmma}, "
+                f"async copies {self.async_copies}, mma {'; '.join(self.mma_layouts) or 'none (mma.sync)'}")
+
+
+def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int, num_stages: int,
+                       floats: tuple = (), unaligned: tuple = ()) -> HopperReport:
+    """Compile ``kernel`` (a ``@triton.jit`` function) for sm_90a.
+
+    ``pointers`` maps pointer arguments to their element dtype, ``floats`` names fp32 scalars; every
+    other argument is an i32, 16-byte divisible unless named in ``unaligned``.
+    """
+    params = list(inspect.signature(kernel.fn).parameters)
+    unknown = set(pointers) | set(floats) | set(constexprs) | set(unaligned)
+    if not unknown <= set(params):
+        raise ValueError(f"{kernel.fn.__name__} has no argument(s) {sorted(unknown - set(params))}")
+    signature = {}
+    for name in params:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = "*" + _TRITON_TYPES[pointers[name]]
+        else:
+            signature[name] = "fp32" if name in floats else "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(params)
+             if signature[name] not in ("constexpr", "fp32") and name not in unaligned}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=HOPPER,
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
+        source.write(ptx)
+        source.flush()
+        verbose = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", source.name, "-o", "/dev/null"],
+                                 capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", verbose).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", verbose))
+    layouts = tuple(sorted(set(re.findall(r"warpsPerCTA = \[\d+, \d+\], instrShape = \[[\d, ]+\]", ttgir))))
+    return HopperReport(registers, spills, ptx.count("wgmma.mma_async"), ttgir.count("async_copy_global_to_local"),
+                        layouts)
+
+
+def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 64, varlen: bool = False,
+                  prefix_only: bool = False, keys_dense: bool = False) -> HopperReport:
+    """The MLA decode split kernel as ``mla_decode`` launches it for this shape."""
+    from common_kernels.fp8_format import FP8_DTYPES
+    from common_kernels.mla import decode
+
+    plan = decode.plan_decode(128, heads, q_len, 8192, 132, cache_dtype=cache_dtype)
+    keys_dtype = torch.bfloat16 if keys_dense else cache_dtype
+    is_fp8 = keys_dtype in FP8_DTYPES
+    block_n, num_warps, num_stages = decode._launch_config(plan.block_rows, page, is_fp8)
+    pointers = dict(q_nope_ptr=torch.bfloat16, q_pe_ptr=torch.bfloat16, cache_ptr=keys_dtype, block_table_ptr=torch.int32,
+                    seq_lens_ptr=torch.int32, kv_scale_ptr=torch.float32, tree_mask_ptr=torch.int64,
+                    q_start_ptr=torch.int32, out_ptr=torch.float32, lse_ptr=torch.float32)
+    constexprs = dict(NUM_HEADS=heads, D_LATENT=512, D_ROPE=64, PAGE_SIZE=page, BLOCK_R=plan.block_rows, BLOCK_N=block_n,
+                      IS_FP8=is_fp8, FP8_QUERIES=plan.fp8_queries(keys_dtype), DIRECT_OUT=False, TREE_MASK=False,
+                      VARLEN=varlen, PREFIX_ONLY=prefix_only, KEYS_DENSE=keys_dense)
+    return compile_for_hopper(decode._mla_decode_split_kernel, pointers, constexprs, num_warps, num_stages,
+                              floats=("qk_scale_log2",),
+                              unaligned=("uniform_q_len", "stride_out_s", "stride_lse_t", "stride_lse_h"))
+
+
+def gemm_report(block_m: int, block_n: int, num_warps: int, num_stages: int) -> HopperReport:
+    """The block-scaled fp8 GEMM kernel at one launch config."""
+    from common_kernels.fp8 import gemm
+
+    pointers = dict(a_ptr=torch.float8_e4m3fn, b_ptr=torch.float8_e4m3fn, c_ptr=torch.bfloat16,
+                    a_scale_ptr=torch.float32, b_scale_ptr=torch.float32)
+    constexprs = dict(BLOCK_K=gemm.SCALE_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8)
+    return compile_for_hopper(gemm._block_scaled_gemm_kernel, pointers, constexprs, num_warps, num_stages,
+                              unaligned=("M", "splits", "stride_asm", "stride_bsn"))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="one JSON list of the reports instead of lines")
+    kernels = parser.add_subparsers(dest="kernel", required=True)
+    decode = kernels.add_parser("decode")
+    decode.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    decode.add_argument("--q-len", type=int, default=1)
+    decode.add_argument("--cache", nargs="+", default=["bf16", "e4m3"], choices=["bf16", "e4m3", "e5m2"])
+    decode.add_argument("--extend", action="store_true",
+                        help="also the two launches of an extend with fresh_kv (prefix from the cache, own rows dense)")
+    gemm = kernels.add_parser("gemm")
+    gemm.add_argument("--block", type=int, nargs=2, default=[64, 128], metavar=("M", "N"))
+    gemm.add_argument("--warps", type=int, default=4)
+    gemm.add_argument("--stages", type=int, default=4)
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("TRITON_INTERPRET=1 replaces compiled kernels by the interpreter: unset it")
+    reports = {}
+    if args.kernel == "decode":
+        dtypes = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+        for heads in args.heads:
+            for cache in args.cache:
+                label = f"decode, {heads} heads, q_len {args.q_len}, {cache}"
+                reports[label] = decode_report(heads, args.q_len, dtypes[cache])
+                if args.extend:
+                    reports[f"{label}, extend prefix"] = decode_report(heads, args.q_len, dtypes[cache], varlen=True,
+                                                                       prefix_only=True)
+                    reports[f"{label}, extend own rows"] = decode_report(heads, args.q_len, dtypes[cache], varlen=True,
+                                                                         keys_dense=True)
+    else:
+        label = f"gemm {args.block[0]}x{args.block[1]}, {args.warps} warps, {args.stages} stages"
+        reports[label] = gemm_report(*args.block, args.warps, args.stages)
+    if args.json:
+        print(json.dumps([{"label": label, **dataclasses.asdict(report)} for label, report in reports.items()]))
+    else:
+        for label, report in reports.items():
+            print(f"{label}: {report.line()}")
+
+
+if __name__ == "__main__":
+    main()

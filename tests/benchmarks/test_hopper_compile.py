@@ -1,0 +1,50 @@
+"""The kernels compile for Hopper (sm_90a) on a machine without a GPU, as launched: the interpreter
+that runs the other kernel tests accepts code that Triton's GPU compiler may reject, and this
+checks what the H200 will get. Run in a process of its own, without TRITON_INTERPRET."""
+
+import json
+import os
+import subprocess
+import sys
+
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def hopper_compile(*args: str) -> dict:
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.hopper_compile", "--json", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {report["label"]: report for report in json.loads(done.stdout)}
+
+
+def test_decode_launches_compile_with_tensor_cores_and_pipelined_loads():
+    reports = hopper_compile("decode", "--heads", "16", "128", "--cache", "bf16", "e4m3", "--extend")
+    assert len(reports) == 12
+    for label, report in reports.items():
+        assert report["async_copies"] > 0, f"{label}: the tile loads are not pipelined"
+        if "128 heads" in label:  # 64-row groups: wgmma
+            assert report["wgmma"] > 0, f"{label}: no wgmma"
+
+
+def test_gemm_launch_compiles_to_fp8_wgmma():
+    (report,) = hopper_compile("gemm", "--block", "64", "128", "--warps", "4", "--stages", "4").values()
+    assert report["wgmma"] > 0 and report["async_copies"] > 0 and report["spill_bytes"] == 0
+
+
+def test_refuses_the_interpreter():
+    done = subprocess.run([sys.executable, "-m", "benchmarks.hopper_compile", "gemm"], cwd=REPO,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and "unset it" in done.stderr
+
+
+def test_unknown_arguments_are_named():
+    from benchmarks.hopper_compile import compile_for_hopper
+    from common_kernels.fp8.gemm import _split_k_sum_kernel
+
+    with pytest.raises(ValueError, match="no_such_ptr"):
+        compile_for_hopper(_split_k_sum_kernel, {"no_such_ptr": None}, {}, 4, 1)
