@@ -96,7 +96,7 @@ def test_decode_deepseek_v3_dims(cache_name):
     q_pe = torch.randn(4, num_heads, d_rope, device=dev, dtype=torch.bfloat16)
     seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=dev)
     scale = 192**-0.5
-    plan = plan_decode(2, num_heads, q_len, 600, num_sms=2)
+    plan = plan_decode(2, num_heads, q_len, 600, num_sms=8)
     assert plan.num_splits > 1
 
     out, lse = mla_decode(q_nope, q_pe, cache, block_table, seq_lens, scale, plan, kv_scale=kv_scale)
