@@ -4,6 +4,7 @@ copies and the MMA layouts Triton chose.
 
     python -m benchmarks.hopper_compile decode --heads 128 --cache bf16
     python -m benchmarks.hopper_compile gemm --block 64 128 --warps 4 --stages 4
+    python -m benchmarks.hopper_compile all        # every kernel of common_kernels
 
 The launches mirror the real ones (``_launch_config`` and ``plan_decode`` for the decode, a
 tuned-table entry for the GEMM). Pointers and strides are marked 16-byte divisible, as Triton's
@@ -40,7 +41,7 @@ class HopperReport:
 
     def line(self) -> str:
         return (f"registers {self.registers}, spills {self.spill_bytes} B, wgmma {self.wgmma}, "
-                f"async copies {self.async_copies}, mma {'; '.join(self.mma_layouts) or 'none (mma.sync)'}")
+                f"async copies {self.async_copies}, mma layouts {'; '.join(self.mma_layouts) or 'none'}")
 
 
 def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int, num_stages: int,
@@ -111,6 +112,58 @@ def gemm_report(block_m: int, block_n: int, num_warps: int, num_stages: int) -> 
                               unaligned=("M", "splits", "stride_asm", "stride_bsn"))
 
 
+def every_kernel_report() -> dict[str, HopperReport]:
+    """Every launchable kernel of ``common_kernels`` at a DeepSeek-V3 launch (fp8 E4M3 where the
+    kernel takes fp8), for a check that all of them compile for Hopper."""
+    from common_kernels.fp8 import gemm, moe, quant
+    from common_kernels.mla import cache, decode, prefill
+
+    bf16, fp8, f32, i32, i64 = torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32, torch.int64
+    e4m3 = dict(FP8_MAX=448.0, MANT_BITS=3, MIN_EXP=-6)
+    reports = {f"decode, {h} heads, {name}": decode_report(h, 1, dtype)
+               for h in (16, 128) for name, dtype in (("bf16", bf16), ("e4m3", fp8))}
+    reports["decode combine"] = compile_for_hopper(
+        decode._mla_decode_combine_kernel, dict(part_out_ptr=f32, part_lse_ptr=f32, out_ptr=bf16, lse_ptr=f32),
+        dict(D_LATENT=512), 4, 3, unaligned=("num_splits", "stride_po_h", "stride_pl_t", "stride_pl_h", "stride_lse_t"))
+    reports["cache write, e4m3"] = compile_for_hopper(
+        cache._write_latent_cache_kernel,
+        dict(kv_c_ptr=bf16, k_pe_ptr=bf16, cache_ptr=fp8, slot_ptr=i64, scale_ptr=f32, stats_ptr=i32),
+        dict(D_LATENT=512, D_ROPE=64, PAGE_SIZE=64, IS_FP8=True, FP8_MANT_BITS=3, FP8_MIN_EXP=-6, FP8_MAX=448.0,
+             TRACK_STATS=True), 4, 3)
+    reports["prefill, 192/128, causal"] = compile_for_hopper(
+        prefill._varlen_attention_kernel.fn,
+        dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, out_ptr=bf16, lse_ptr=f32, cu_q_ptr=i32, cu_k_ptr=i32),
+        dict(D_A=128, D_B=64, D_V=128, CAUSAL=True, STORE_LSE=True, BLOCK_M=128, BLOCK_N=64), 8, 2,
+        floats=("qk_scale_log2",), unaligned=("stride_lse_t",))
+    reports["group quantizer"] = compile_for_hopper(
+        quant._group_quant_kernel, dict(x_ptr=bf16, q_ptr=fp8, scale_ptr=f32, stats_ptr=i32),
+        dict(GROUP=128, POW2_SCALE=False, TRACK_STATS=True, BLOCK_ROWS=quant.GROUP_BLOCK_ROWS, **e4m3), 4, 3,
+        floats=("eps",), unaligned=("num_rows", "num_cols", "stride_s_m"))
+    reports["token quantizer"] = compile_for_hopper(
+        quant._token_quant_kernel, dict(x_ptr=bf16, q_ptr=fp8, scale_ptr=f32, stats_ptr=i32),
+        dict(BLOCK=1024, POW2_SCALE=False, TRACK_STATS=True, **e4m3), 4, 3, floats=("eps",),
+        unaligned=("num_cols",))
+    reports["weight block quantizer"] = compile_for_hopper(
+        quant._weight_block_quant_kernel, dict(w_ptr=bf16, q_ptr=fp8, scale_ptr=f32, stats_ptr=i32),
+        dict(BLOCK=128, TRACK_STATS=True, **e4m3), 4, 3, floats=("eps",),
+        unaligned=("num_rows", "num_cols", "stride_s"))
+    reports["gemm 64x128"] = gemm_report(64, 128, 4, 4)
+    reports["gemm split-k sum"] = compile_for_hopper(
+        gemm._split_k_sum_kernel, dict(partial_ptr=f32, c_ptr=bf16), dict(SPLIT_K=4, BLOCK=1024), 4, 3,
+        unaligned=("M",))
+    reports["moe expert sort"] = compile_for_hopper(
+        moe._align_kernel, dict(ids_ptr=i32, sorted_ids_ptr=i32, block_expert_ptr=i32, cursor_ptr=i32),
+        dict(BLOCK_M=64, E_PAD=512, CHUNK=1024, BLOCKS_CHUNK=32), 8, 3, unaligned=("pairs", "num_experts", "size"))
+    for name, gated, out in (("gate/up", True, bf16), ("down", False, f32)):
+        reports[f"moe {name} gemm"] = compile_for_hopper(
+            moe._moe_gemm_kernel,
+            dict(a_ptr=fp8, a_scale_ptr=f32, b_ptr=fp8, b_scale_ptr=f32, c_ptr=out, sorted_ids_ptr=i32,
+                 block_expert_ptr=i32, weights_ptr=f32),
+            dict(ROWS_PER_A=8 if gated else 1, GATED=gated, APPLY_WEIGHT=not gated, BLOCK_M=64, BLOCK_N=128,
+                 BLOCK_K=128), 8 if gated else 4, 4 if gated else 3, unaligned=("num_pairs", "stride_asm", "stride_bsn"))
+    return reports
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="one JSON list of the reports instead of lines")
@@ -121,6 +174,7 @@ def main(argv=None):
     decode.add_argument("--cache", nargs="+", default=["bf16", "e4m3"], choices=["bf16", "e4m3", "e5m2"])
     decode.add_argument("--extend", action="store_true",
                         help="also the two launches of an extend with fresh_kv (prefix from the cache, own rows dense)")
+    kernels.add_parser("all", help="every kernel at a DeepSeek-V3 launch")
     gemm = kernels.add_parser("gemm")
     gemm.add_argument("--block", type=int, nargs=2, default=[64, 128], metavar=("M", "N"))
     gemm.add_argument("--warps", type=int, default=4)
@@ -140,6 +194,8 @@ def main(argv=None):
                                                                        prefix_only=True)
                     reports[f"{label}, extend own rows"] = decode_report(heads, args.q_len, dtypes[cache], varlen=True,
                                                                          keys_dense=True)
+    elif args.kernel == "all":
+        reports = every_kernel_report()
     else:
         label = f"gemm {args.block[0]}x{args.block[1]}, {args.warps} warps, {args.stages} stages"
         reports[label] = gemm_report(*args.block, args.warps, args.stages)
