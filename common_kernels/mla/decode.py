@@ -489,6 +489,10 @@ def mla_decode(
                 q_nope.new_empty(pl_shape, dtype=torch.float32),
             )
         part_out, part_lse = workspace
+        expected = plan.workspace_shapes(d_latent, fresh_kv is not None)
+        if (tuple(part_out.shape), tuple(part_lse.shape)) != expected or part_out.dtype != torch.float32:
+            raise ValueError(f"workspace must be fp32 of shapes {expected} (plan.workspace_shapes), got "
+                             f"{part_out.dtype} {tuple(part_out.shape)} and {tuple(part_lse.shape)}")
         part_out_strides = part_out.stride()[:3]
     launch = dict(q_nope=q_nope, q_pe=q_pe, block_table=block_table, seq_lens=seq_lens, tree_mask=tree_mask,
                   query_start_loc=query_start_loc, part_out_strides=part_out_strides, direct=direct,

@@ -240,6 +240,11 @@ def test_decode_rejects_bad_input():
         mla_decode(q_nope, q_pe, cache[..., :80].contiguous(), table.long(), lens, 1.0, plan)
     with pytest.raises(ValueError, match=r"tree_mask must be a contiguous int64 \[B, S_q\] = \[2, 1\]"):
         mla_decode(q_nope, q_pe, cache[..., :80].contiguous(), table, lens, 1.0, plan, tree_mask=lens)
+    split = plan_decode(2, 16, 1, 4, num_sms=1, num_splits=2)
+    short = tuple(torch.empty(shape, device=dev) for shape in split.workspace_shapes(64))  # no room for fresh_kv
+    with pytest.raises(ValueError, match="workspace must be fp32"):
+        mla_decode(q_nope, q_pe, cache[..., :80].contiguous(), table, lens, 1.0, split, workspace=short,
+                   fresh_kv=torch.zeros(2, 80, device=dev, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"fresh_kv must be \[T, D_latent \+ D_rope\] = \[2, 80\]"):
         mla_decode(q_nope, q_pe, cache[..., :80].contiguous(), table, lens, 1.0, plan, fresh_kv=q_nope[:, 0])
 
