@@ -122,6 +122,9 @@ def every_kernel_report() -> dict[str, HopperReport]:
     e4m3 = dict(FP8_MAX=448.0, MANT_BITS=3, MIN_EXP=-6)
     reports = {f"decode, {h} heads, {name}": decode_report(h, 1, dtype)
                for h in (16, 128) for name, dtype in (("bf16", bf16), ("e4m3", fp8))}
+    for h in (16, 128):  # an extend with fresh_kv: the prefix from the fp8 cache, the new rows dense
+        reports[f"decode, {h} heads, e4m3, extend prefix"] = decode_report(h, 1, fp8, varlen=True, prefix_only=True)
+        reports[f"decode, {h} heads, e4m3, extend own rows"] = decode_report(h, 1, fp8, varlen=True, keys_dense=True)
     reports["decode combine"] = compile_for_hopper(
         decode._mla_decode_combine_kernel, dict(part_out_ptr=f32, part_lse_ptr=f32, out_ptr=bf16, lse_ptr=f32),
         dict(D_LATENT=512), 4, 3, unaligned=("num_splits", "stride_po_h", "stride_pl_t", "stride_pl_h", "stride_lse_t"))

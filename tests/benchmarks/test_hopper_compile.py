@@ -22,18 +22,14 @@ def hopper_compile(*args: str) -> dict:
     return {report["label"]: report for report in json.loads(done.stdout)}
 
 
-def test_decode_launches_compile_with_tensor_cores_and_pipelined_loads():
-    reports = hopper_compile("decode", "--heads", "16", "128", "--cache", "bf16", "e4m3", "--extend")
-    assert len(reports) == 12
-    for label, report in reports.items():
-        assert report["async_copies"] > 0, f"{label}: the tile loads are not pipelined"
-        if "128 heads" in label:  # 64-row groups: wgmma
-            assert report["wgmma"] > 0, f"{label}: no wgmma"
-
-
 def test_every_kernel_compiles_for_hopper():
     reports = hopper_compile("all")
-    assert len(reports) == 15
+    assert len(reports) == 19
+    for label, report in reports.items():
+        if label.startswith("decode, "):
+            assert report["async_copies"] > 0, f"{label}: the tile loads are not pipelined"
+            if "128 heads" in label:  # 64-row groups: wgmma
+                assert report["wgmma"] > 0, f"{label}: no wgmma"
     for label in ("decode, 128 heads, bf16", "decode, 128 heads, e4m3", "prefill, 192/128, causal", "gemm 64x128",
                   "moe gate/up gemm", "moe down gemm"):
         assert reports[label]["wgmma"] > 0 and reports[label]["async_copies"] > 0, label
