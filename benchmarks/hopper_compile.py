@@ -25,6 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
 HOPPER = GPUTarget("cuda", 90, 128)
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
@@ -46,7 +47,7 @@ class HopperReport:
 
 def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int, num_stages: int,
                        floats: tuple = (), unaligned: tuple = ()) -> HopperReport:
-    """Compile ``kernel`` (a ``@triton.jit`` function) for sm_90a.
+    """Compile ``kernel`` (a ``@triton.jit`` or ``@gluon.jit`` function) for sm_90a.
 
     ``pointers`` maps pointer arguments to their element dtype, ``floats`` names fp32 scalars; every
     other argument is an i32, 16-byte divisible unless named in ``unaligned``.
@@ -65,7 +66,8 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int,
             signature[name] = "fp32" if name in floats else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(params)
              if signature[name] not in ("constexpr", "fp32") and name not in unaligned}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=HOPPER,
+    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    compiled = triton.compile(source(kernel, signature, constexprs=constexprs, attrs=attrs), target=HOPPER,
                               options=dict(num_warps=num_warps, num_stages=num_stages))
     ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
@@ -84,19 +86,24 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
                   prefix_only: bool = False, keys_dense: bool = False) -> HopperReport:
     """The MLA decode split kernel as ``mla_decode`` launches it for this shape."""
     from common_kernels.fp8_format import FP8_DTYPES
-    from common_kernels.mla import decode
+    from common_kernels.mla import decode, decode_sm90
 
     plan = decode.plan_decode(128, heads, q_len, 8192, 132, cache_dtype=cache_dtype)
     keys_dtype = torch.bfloat16 if keys_dense else cache_dtype
     is_fp8 = keys_dtype in FP8_DTYPES
+    kernel = decode._mla_decode_split_kernel
     block_n, num_warps, num_stages = decode._launch_config(plan.block_rows, page, is_fp8)
+    extra = {}
+    if decode_sm90.fits(plan.block_rows, keys_dtype, not keys_dense, page, 512, 64):  # as mla_decode on sm_90
+        kernel, block_n, num_warps = decode_sm90.mla_decode_split_kernel_sm90, decode_sm90.BLOCK_N, decode_sm90.NUM_WARPS
+        extra = dict(NUM_BUFS=decode_sm90.NUM_BUFS)
     pointers = dict(q_nope_ptr=torch.bfloat16, q_pe_ptr=torch.bfloat16, cache_ptr=keys_dtype, block_table_ptr=torch.int32,
                     seq_lens_ptr=torch.int32, kv_scale_ptr=torch.float32, tree_mask_ptr=torch.int64,
                     q_start_ptr=torch.int32, out_ptr=torch.float32, lse_ptr=torch.float32)
     constexprs = dict(NUM_HEADS=heads, D_LATENT=512, D_ROPE=64, PAGE_SIZE=page, BLOCK_R=plan.block_rows, BLOCK_N=block_n,
                       IS_FP8=is_fp8, FP8_QUERIES=plan.fp8_queries(keys_dtype), DIRECT_OUT=False, TREE_MASK=False,
-                      VARLEN=varlen, PREFIX_ONLY=prefix_only, KEYS_DENSE=keys_dense)
-    return compile_for_hopper(decode._mla_decode_split_kernel, pointers, constexprs, num_warps, num_stages,
+                      VARLEN=varlen, PREFIX_ONLY=prefix_only, KEYS_DENSE=keys_dense, **extra)
+    return compile_for_hopper(kernel, pointers, constexprs, num_warps, num_stages,
                               floats=("qk_scale_log2",),
                               unaligned=("uniform_q_len", "stride_out_s", "stride_lse_t", "stride_lse_h"))
 

@@ -8,13 +8,15 @@ and outputs; FLOPs are ``2 * T * H * seq_len * (D_latent + D_rope + D_latent)``.
 
     python -m benchmarks.mla_decode --out benchmarks/results/mla_decode.json
 
-TRITON_MLA has no multi-token decode in vLLM; for 2 query tokens it runs the equivalent
+``latentspeed-triton`` is latentspeed without its Gluon kernel for sm_90 (64-row groups over a
+bf16 cache), as it runs on other GPUs. TRITON_MLA has no multi-token decode in vLLM; for 2 query tokens it runs the equivalent
 2 * B single-token rows (shown as such). FLASH_ATTN_MLA has no fp8 path.
 """
 
 import argparse
 import json
 import math
+import os
 import sys
 
 import torch
@@ -53,6 +55,20 @@ def ours(q, cache, block_table, seq_lens, q_len, kv_scale):
     ws = (torch.empty(po_shape, device="cuda"), torch.empty(pl_shape, device="cuda"))
     scale = kv_scale if cache.dtype != torch.bfloat16 else None
     return lambda: mla_decode(q_nope, q_pe, cache, block_table, seq_lens, SCALE, plan, scale, out, lse, ws)[0]
+
+
+def ours_triton(q, cache, block_table, seq_lens, q_len, kv_scale):
+    """latentspeed with its Triton split kernel only, as on a GPU other than sm_90 (no Gluon kernel)."""
+    run = ours(q, cache, block_table, seq_lens, q_len, kv_scale)
+
+    def run_triton():
+        os.environ["LATENTSPEED_MLA_DECODE_SM90"] = "0"
+        try:
+            return run()
+        finally:
+            del os.environ["LATENTSPEED_MLA_DECODE_SM90"]
+
+    return run_triton
 
 
 def flashmla(q, cache, block_table, seq_lens, q_len, kv_scale):
@@ -145,7 +161,7 @@ def triton_mla(q, cache, block_table, seq_lens, q_len, kv_scale):
     return run
 
 
-PROVIDERS = {"latentspeed": ours, "FLASHMLA": flashmla, "FLASH_ATTN_MLA": flash_attn_mla, "TRITON_MLA": triton_mla}
+PROVIDERS = {"latentspeed": ours, "latentspeed-triton": ours_triton, "FLASHMLA": flashmla, "FLASH_ATTN_MLA": flash_attn_mla, "TRITON_MLA": triton_mla}
 
 
 def check_against_reference(cache_dtype, heads, q_len, kv_scale):

@@ -34,6 +34,7 @@ second one over those dense rows at full precision, merged as one more split. On
 prefix is read rounded, as in the engines' own MHA prefill paths.
 """
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ..fp8_format import FP8_DTYPES, round_to_fp8_grid
+from . import decode_sm90
 from .cache import HALF_DTYPES
 from .softmax import finish_softmax, online_softmax_step
 
@@ -522,6 +524,21 @@ def mla_decode(
     return out, lse
 
 
+@functools.cache
+def _is_sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _takes_sm90_kernel(keys: torch.Tensor, d_rope: int, block_rows: int) -> bool:
+    """Whether a launch goes to the Gluon kernel of ``decode_sm90``: a shape it takes
+    (``decode_sm90.fits``) on an sm_90 GPU; ``LATENTSPEED_MLA_DECODE_SM90=0`` keeps the Triton kernel."""
+    paged = keys.dim() == 3
+    return (not _INTERPRET and keys.is_cuda
+            and decode_sm90.fits(block_rows, keys.dtype, paged, keys.shape[1] if paged else 0,
+                                 keys.shape[-1] - d_rope, d_rope)
+            and os.environ.get("LATENTSPEED_MLA_DECODE_SM90", "1") != "0" and _is_sm90(keys.device))
+
+
 def _launch_split(q_nope, q_pe, keys, block_table, seq_lens, kv_scale, tree_mask, query_start_loc, part_out, part_lse,
                   part_out_strides, direct, num_splits, softmax_scale, plan, prefix_only):
     """One launch of the split kernel over ``keys``: the paged cache ``[N_blocks, B_page, D]``,
@@ -529,8 +546,14 @@ def _launch_split(q_nope, q_pe, keys, block_table, seq_lens, kv_scale, tree_mask
     dense = keys.dim() == 2
     is_fp8 = keys.dtype in FP8_DTYPES
     page_size = MAX_BLOCK_ROWS if dense else keys.shape[1]
-    block_n, num_warps, num_stages = _launch_config(plan.block_rows, page_size, is_fp8)
-    _mla_decode_split_kernel[(plan.row_groups, num_splits, plan.batch)](
+    if _takes_sm90_kernel(keys, q_pe.shape[-1], plan.block_rows):
+        kernel, block_n = decode_sm90.mla_decode_split_kernel_sm90, decode_sm90.BLOCK_N
+        options = dict(NUM_BUFS=decode_sm90.NUM_BUFS, num_warps=decode_sm90.NUM_WARPS)
+    else:
+        kernel = _mla_decode_split_kernel
+        block_n, num_warps, num_stages = _launch_config(plan.block_rows, page_size, is_fp8)
+        options = dict(num_warps=num_warps, num_stages=num_stages)
+    kernel[(plan.row_groups, num_splits, plan.batch)](
         q_nope,
         q_pe,
         keys,
@@ -566,6 +589,5 @@ def _launch_split(q_nope, q_pe, keys, block_table, seq_lens, kv_scale, tree_mask
         PREFIX_ONLY=prefix_only,
         KEYS_DENSE=dense,
         BLOCK_N=block_n,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        **options,
     )
