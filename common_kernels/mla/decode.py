@@ -28,6 +28,9 @@ cores: each query row ``[q_nope | q_pe]`` is scaled by the power of two that bri
 largest magnitude into ``[128, 256)`` and rounded to E4M3 (``DecodePlan.fp8_queries``; the
 reference models it with ``fp8_queries=True``), and ``P V`` stays in fp16.
 
+On sm_90, 64-row groups over a paged cache run the Gluon kernel of ``decode_sm90`` instead (same
+contract and partials, faster layouts); everything else runs the Triton kernel below.
+
 Extends over an fp8 cache can pass the new tokens' own latent rows (``fresh_kv``): the cached
 prefix is then one launch (every query sees all of it) and the new tokens' causal block a
 second one over those dense rows at full precision, merged as one more split. Only the

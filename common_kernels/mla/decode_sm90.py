@@ -1,10 +1,11 @@
-"""The MLA decode split kernel for Hopper (sm_90), in Gluon: 64-row groups over a bf16/fp16 cache.
+"""The MLA decode split kernel for Hopper (sm_90), in Gluon: 64-row groups.
 
 Same contract, arguments and partial outputs as ``decode._mla_decode_split_kernel`` (the module
 docstring of ``decode`` has the formula), for the launches it takes: ``BLOCK_R = 64`` rows,
-``D_latent = 512``, ``D_rope = 64``, a paged half-precision cache (no fp8, no dense keys).
-``decode.mla_decode`` sends those launches here on an sm_90 GPU and keeps the Triton kernel for
-the rest, for the interpreter and as the fallback (``LATENTSPEED_MLA_DECODE_SM90=0``).
+``D_latent = 512``, ``D_rope = 64``, a paged cache (bf16/fp16, or fp8 with E4M3 queries as
+``DecodePlan.fp8_queries`` sets for 64-row groups; no dense keys). ``decode.mla_decode`` sends
+those launches here on an sm_90 GPU and keeps the Triton kernel for the rest, for the interpreter
+and as the fallback (``LATENTSPEED_MLA_DECODE_SM90=0``).
 
 Why a second kernel: for ``S = Q K^T`` chained into ``P V`` Triton gives both warpgroups the
 whole ``[64, BLOCK_N]`` score tile, so each computes all of ``Q K^T`` and the 8-warp program
@@ -15,7 +16,7 @@ are explicit:
   computes ``[64, BLOCK_N / 2]`` from the queries in shared memory and its half of the keys;
 - softmax in fp32, base 2; the row max reduces across both warpgroups every tile, the row sum
   once at the end (each thread keeps its score elements' running sums);
-- ``P`` goes to shared memory in the query dtype;
+- ``P`` goes to shared memory in the query dtype (fp16 with an fp8 cache);
 - ``P V``: wgmma, warpgroups split the 512 latent columns, each holds ``[64, 256]`` fp32;
 - cache tiles: ``cp.async`` per row (pages are not contiguous) into a ring of ``NUM_BUFS``
   shared buffers, ``NUM_BUFS - 1`` tiles in flight ahead of the one being used, their page ids
@@ -26,7 +27,13 @@ three or four buffers were 1.4x slower (the per-tile synchronization dominates),
 ``P V`` of tile i back to back with ``Q K^T`` of tile i + 1 was 5-10 % slower (the next copy then
 starts a tile later).
 
-Shared memory at ``BLOCK_N = 64``, two buffers: queries 72 KiB, tiles 2 x 72 KiB, ``P`` 8 KiB.
+fp8 caches: ``Q K^T`` is one fp8 wgmma over E4M3 queries (rounded as the Triton kernel rounds them)
+and the fp8 keys as they are in shared memory. fp8 wgmma reads only K-major operands, so each
+tile's latent part is also widened to fp16 (exact) into a ``V`` buffer for ``P V``, while
+``Q K^T`` runs.
+
+Shared memory at ``BLOCK_N = 64``, two buffers: bf16 queries 72 KiB, tiles 2 x 72 KiB, ``P`` 8 KiB;
+fp8: queries 36 KiB, tiles 2 x 36 KiB, ``V`` 64 KiB, ``P`` 8 KiB.
 """
 
 import torch
@@ -39,17 +46,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ..fp8_format import FP8_DTYPES
+
 BLOCK_R = 64
 BLOCK_N = 64
 NUM_BUFS = 2
 D_LATENT = 512
 D_ROPE = 64
 NUM_WARPS = 8
+V_CHUNK = gl.constexpr(128)  # fp8 caches: latent columns widened per step (bounds the registers it takes)
 
 
 def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, d_latent: int, d_rope: int) -> bool:
     """Whether this kernel takes a launch of that shape (on an sm_90 GPU)."""
-    return (block_rows == BLOCK_R and keys_dtype in (torch.bfloat16, torch.float16) and paged
+    return (block_rows == BLOCK_R and keys_dtype in (torch.bfloat16, torch.float16, *FP8_DTYPES) and paged
             and page_size % BLOCK_N == 0 and (d_latent, d_rope) == (D_LATENT, D_ROPE))
 
 
@@ -116,12 +126,19 @@ def mla_decode_split_kernel_sm90(
     KEYS_DENSE: gl.constexpr,
     NUM_BUFS: gl.constexpr,
 ):
-    gl.static_assert(not IS_FP8 and not FP8_QUERIES and not KEYS_DENSE, "half-precision paged caches only")
+    gl.static_assert(IS_FP8 == FP8_QUERIES and not KEYS_DENSE, "paged caches; fp8 ones with fp8 queries")
     gl.static_assert(BLOCK_R == 64 and PAGE_SIZE % BLOCK_N == 0 and NUM_BUFS >= 2)
     dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
+    key_ty: gl.constexpr = cache_ptr.dtype.element_ty
+    # Q K^T operands (E4M3 queries for an fp8 cache) and P V operands (fp16 P, widened V for fp8).
+    qk_ty: gl.constexpr = gl.float8e4nv if IS_FP8 else dtype
+    pv_ty: gl.constexpr = gl.float16 if IS_FP8 else dtype
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    # 16-byte copies of cache rows: 16 fp8 or 8 half values a thread
+    ld_keys: gl.constexpr = (gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0]) if IS_FP8
+                             else ld_layout)
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                    instr_shape=[16, BLOCK_N // 2, 16])
+                                                    instr_shape=[16, BLOCK_N // 2, 32 if IS_FP8 else 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                     instr_shape=[16, D_LATENT // 2, 16])
     rows_ld: gl.constexpr = gl.SliceLayout(1, ld_layout)
@@ -155,16 +172,32 @@ def mla_decode_split_kernel_sm90(
     offs_p = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_layout))
     q_nope = gl.load(q_nope_ptr + q_rows * stride_qn_t + heads * stride_qn_h + offs_c[None, :], mask=mask_r, other=0.0)
     q_pe = gl.load(q_pe_ptr + q_rows * stride_qp_t + heads * stride_qp_h + offs_p[None, :], mask=mask_r, other=0.0)
-    qn_smem = gl.allocate_shared_memory(dtype, [BLOCK_R, D_LATENT],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, D_LATENT], dtype), q_nope)
-    qp_smem = gl.allocate_shared_memory(dtype, [BLOCK_R, D_ROPE],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, D_ROPE], dtype), q_pe)
-    kc_ring = gl.allocate_shared_memory(dtype, [NUM_BUFS, BLOCK_N, D_LATENT],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], dtype))
-    kp_ring = gl.allocate_shared_memory(dtype, [NUM_BUFS, BLOCK_N, D_ROPE],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], dtype))
-    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_R, BLOCK_N],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], dtype))
+    if IS_FP8:
+        # The Triton kernel's query rounding: a power of two per row brings max|row| into [128, 256)
+        # (exact), then E4M3 round-to-nearest-even; scores are scaled back by kv_scale / q_scale.
+        kv_scale = gl.load(kv_scale_ptr)
+        q_max = gl.maximum(gl.max(gl.abs(q_nope.to(gl.float32)), axis=1), gl.max(gl.abs(q_pe.to(gl.float32)), axis=1))
+        q_exp = ((gl.maximum(q_max, 1e-30).to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        q_scale = ((127 + 7 - q_exp) << 23).to(gl.float32, bitcast=True)
+        q_nope = (q_nope.to(gl.float32) * q_scale[:, None]).to(qk_ty)
+        q_pe = (q_pe.to(gl.float32) * q_scale[:, None]).to(qk_ty)
+        score_scale = gl.convert_layout(qk_scale_log2 * kv_scale / q_scale, rows_s)[:, None]
+    else:
+        kv_scale = 1.0
+        score_scale = qk_scale_log2
+    qn_smem = gl.allocate_shared_memory(qk_ty, [BLOCK_R, D_LATENT],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, D_LATENT], qk_ty), q_nope)
+    qp_smem = gl.allocate_shared_memory(qk_ty, [BLOCK_R, D_ROPE],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, D_ROPE], qk_ty), q_pe)
+    kc_ring = gl.allocate_shared_memory(key_ty, [NUM_BUFS, BLOCK_N, D_LATENT],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], key_ty))
+    kp_ring = gl.allocate_shared_memory(key_ty, [NUM_BUFS, BLOCK_N, D_ROPE],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], key_ty))
+    p_smem = gl.allocate_shared_memory(pv_ty, [BLOCK_R, BLOCK_N],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], pv_ty))
+    if IS_FP8:  # fp8 wgmma reads B K-major only: V (keys along K) is widened into fp16 each tile
+        v_smem = gl.allocate_shared_memory(pv_ty, [BLOCK_N, D_LATENT],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], pv_ty))
 
     # Row visibility, in the score layout: causal bound, or tree mask bits.
     row_s = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=rows_s)
@@ -178,7 +211,7 @@ def mla_decode_split_kernel_sm90(
     for t in gl.static_range(NUM_BUFS - 1):
         _issue_tile(kc_ring, kp_ring, t, start + t * BLOCK_N, end, cache_ptr,
                     _page_of(bt_row, start + t * BLOCK_N, end, PAGE_SIZE), stride_cache_block, stride_cache_tok,
-                    PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, ld_layout)
+                    PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, ld_keys)
     # Page ids are read one tile ahead of their copies, so no copy waits on a block-table load.
     page_next = _page_of(bt_row, start + (NUM_BUFS - 1) * BLOCK_N, end, PAGE_SIZE)
 
@@ -199,12 +232,19 @@ def mla_decode_split_kernel_sm90(
         page_next = _page_of(bt_row, start + (i + NUM_BUFS) * BLOCK_N, end, PAGE_SIZE)
         _issue_tile(kc_ring, kp_ring, (i + NUM_BUFS - 1) % NUM_BUFS, start + (i + NUM_BUFS - 1) * BLOCK_N, end,
                     cache_ptr, page, stride_cache_block, stride_cache_tok, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE,
-                    ld_layout)
+                    ld_keys)
         kc = kc_ring.index(i % NUM_BUFS)
         kp = kp_ring.index(i % NUM_BUFS)
 
         s = warpgroup_mma(qn_smem, kc.permute([1, 0]), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(qp_smem, kp.permute([1, 0]), s, is_async=True)
+        if IS_FP8:  # while Q K^T runs: V = the tile's latent part in fp16 (exact), in column chunks
+            for c in gl.static_range(D_LATENT // V_CHUNK):
+                v_part = kc.slice(c * V_CHUNK, V_CHUNK, dim=1).load(ld_keys)
+                v_smem.slice(c * V_CHUNK, V_CHUNK, dim=1).store(v_part.to(pv_ty))
+            v = v_smem
+        else:
+            v = kc
         s, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, qp_smem, kc, kp])
 
         offs_n = start + i * BLOCK_N + offs_key
@@ -216,7 +256,7 @@ def mla_decode_split_kernel_sm90(
             seen = (offs_n < end)[None, :]
         else:
             seen = (offs_n < end)[None, :] & (offs_n[None, :] < visible[:, None])
-        s = gl.where(seen, s * qk_scale_log2, float("-inf"))
+        s = gl.where(seen, s * score_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_shift)
@@ -224,18 +264,18 @@ def mla_decode_split_kernel_sm90(
         l_tile = l_tile * alpha[:, None] + p
         m_i = m_new
 
-        p_smem.store(p.to(dtype))
+        p_smem.store(p.to(pv_ty))
         fence_async_shared()
-        gl.thread_barrier()  # all of P is written before either warpgroup reads it
-        acc = warpgroup_mma(p_smem, kc, acc * gl.convert_layout(alpha, rows_o)[:, None], is_async=True)
-        acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_smem, kc])
+        gl.thread_barrier()  # all of P (and V) is written before either warpgroup reads it
+        acc = warpgroup_mma(p_smem, v, acc * gl.convert_layout(alpha, rows_o)[:, None], is_async=True)
+        acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_smem, v])
     async_copy.wait_group(0)
 
     l_i = gl.sum(l_tile, axis=1)
     has_keys = l_i > 0.0
     safe_l = gl.where(has_keys, l_i, 1.0)
     lse = gl.where(has_keys, (m_i + gl.log2(safe_l)) * 0.6931471805599453, float("-inf"))  # ln 2
-    out = acc * gl.convert_layout(1.0 / safe_l, rows_o)[:, None]
+    out = acc * gl.convert_layout(kv_scale / safe_l, rows_o)[:, None]
 
     row_o = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=rows_o)
     out_rows = (q_start + row_o // NUM_HEADS)[:, None] * stride_out_t + (row_o % NUM_HEADS)[:, None] * stride_out_h

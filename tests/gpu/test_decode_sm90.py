@@ -21,11 +21,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
 SEQ_LENS = (4097, 1, 2900, 0, 63, 6000)
 
 
-def _inputs(dtype, page, num_heads=128, q_len=1):
-    cache, table = make_paged_cache(SEQ_LENS, page, 576, dtype, 1.0)
+def _inputs(cache_dtype, page, q_dtype, kv_scale, num_heads=128, q_len=1):
+    cache, table = make_paged_cache(SEQ_LENS, page, 576, cache_dtype, kv_scale)
     tokens = len(SEQ_LENS) * q_len
-    q_nope = torch.randn(tokens, num_heads, 512, device="cuda", dtype=dtype) * 0.1
-    q_pe = torch.randn(tokens, num_heads, 64, device="cuda", dtype=dtype)
+    q_nope = torch.randn(tokens, num_heads, 512, device="cuda", dtype=q_dtype) * 0.1
+    q_pe = torch.randn(tokens, num_heads, 64, device="cuda", dtype=q_dtype)
     return q_nope, q_pe, cache, table, torch.tensor(SEQ_LENS, dtype=torch.int32, device="cuda")
 
 
@@ -37,28 +37,37 @@ def _decode(monkeypatch, sm90, *args, **kwargs):
 
 
 def test_dispatch():
-    """64-row groups over a paged bf16/fp16 cache go to the Gluon kernel; the rest stays Triton."""
+    """64-row groups over a paged bf16/fp16/fp8 cache go to the Gluon kernel; the rest stays Triton."""
     bf16 = torch.empty(4, 64, 576, device="cuda", dtype=torch.bfloat16)
     assert decode._takes_sm90_kernel(bf16, 64, 64)
     assert decode._takes_sm90_kernel(bf16.half(), 64, 64)
     assert not decode._takes_sm90_kernel(bf16, 64, 16)  # 16-row groups
-    assert not decode._takes_sm90_kernel(bf16.to(torch.float8_e4m3fn), 64, 64)  # fp8 cache
+    assert decode._takes_sm90_kernel(bf16.to(torch.float8_e4m3fn), 64, 64)
+    assert decode._takes_sm90_kernel(bf16.to(torch.float8_e5m2), 64, 64)
     assert not decode._takes_sm90_kernel(bf16[0], 64, 64)  # dense keys (fresh_kv)
     assert not decode._takes_sm90_kernel(bf16[:, :32], 64, 64)  # 32-token pages
     assert not decode._takes_sm90_kernel(torch.empty(4, 64, 320, device="cuda", dtype=torch.bfloat16), 64, 64)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+CACHES = {"bf16": (torch.bfloat16, torch.bfloat16), "fp16": (torch.float16, torch.float16),
+          "e4m3": (torch.float8_e4m3fn, torch.bfloat16), "e5m2": (torch.float8_e5m2, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("cache_name", CACHES)
 @pytest.mark.parametrize("page", [64, 128], ids=lambda p: f"page{p}")
 @pytest.mark.parametrize("num_splits", [1, None], ids=["direct", "planned"])
 @pytest.mark.parametrize("q_len", [1, 2], ids=lambda q: f"q{q}")
-def test_matches_reference_and_triton(monkeypatch, dtype, page, num_splits, q_len):
-    q_nope, q_pe, cache, table, lens = _inputs(dtype, page, q_len=q_len)
+def test_matches_reference_and_triton(monkeypatch, cache_name, page, num_splits, q_len):
+    """fp8 caches: the reference rounds the queries as both kernels do (``fp8_queries``)."""
+    cache_dtype, q_dtype = CACHES[cache_name]
+    fp8 = cache_dtype.itemsize == 1
+    kv_scale = torch.tensor([0.02], device="cuda") if fp8 else None
+    q_nope, q_pe, cache, table, lens = _inputs(cache_dtype, page, q_dtype, 0.02 if fp8 else 1.0, q_len=q_len)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = plan_decode(len(SEQ_LENS), 128, q_len, max(SEQ_LENS), sms, num_splits=num_splits)
-    args = (q_nope, q_pe, cache, table, lens, 192**-0.5, plan)
+    plan = plan_decode(len(SEQ_LENS), 128, q_len, max(SEQ_LENS), sms, num_splits=num_splits, cache_dtype=cache_dtype)
+    args = (q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale)
     out, lse = _decode(monkeypatch, True, *args)
-    ref, ref_lse = mla_decode_ref(*args[:6])
+    ref, ref_lse = mla_decode_ref(*args[:6], kv_scale if fp8 else 1.0, fp8_queries=fp8)
     assert_close(out, ref, atol=1e-2, rtol=2e-2, name="sm90 decode out")
     assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="sm90 decode lse")
     triton_out, triton_lse = _decode(monkeypatch, False, *args)
