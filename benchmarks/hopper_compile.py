@@ -161,10 +161,17 @@ def every_kernel_report() -> dict[str, HopperReport]:
     reports["gemm split-k sum"] = compile_for_hopper(
         gemm._split_k_sum_kernel, dict(partial_ptr=f32, c_ptr=bf16), dict(SPLIT_K=4, BLOCK=1024), 4, 3,
         unaligned=("M",))
-    reports["moe expert sort"] = compile_for_hopper(
-        moe._align_kernel, dict(ids_ptr=i32, sorted_ids_ptr=i32, block_expert_ptr=i32, cursor_ptr=i32),
-        dict(BLOCK_M=64, E_PAD=512, CHUNK=1024, BLOCKS_CHUNK=32), 8, 3, unaligned=("pairs", "num_experts", "size"))
-    for name, gated, out in (("gate/up", True, bf16), ("down", False, f32)):
+    # the expert sort at DeepSeek-V3, 4096 tokens (18 programs of 2048 pairs)
+    reports["moe expert count"] = compile_for_hopper(
+        moe._count_by_expert_kernel, dict(ids_ptr=i32, cursor_ptr=i32, sorted_ids_ptr=i32),
+        dict(E_PAD=512, CHUNK=2048), 4, 3, unaligned=("pairs", "num_experts", "size"))
+    reports["moe expert run starts"] = compile_for_hopper(
+        moe._run_starts_kernel, dict(cursor_ptr=i32, block_expert_ptr=i32),
+        dict(BLOCK_M=64, E_PAD=512, P_PAD=32, BLOCKS_CHUNK=32), 8, 3, unaligned=("programs", "num_experts", "size"))
+    reports["moe expert scatter"] = compile_for_hopper(
+        moe._scatter_by_expert_kernel, dict(ids_ptr=i32, sorted_ids_ptr=i32, cursor_ptr=i32),
+        dict(E_PAD=512, CHUNK=2048), 4, 3, unaligned=("pairs", "num_experts"))
+    for name, gated, out in (("gate/up", True, bf16), ("down", False, bf16)):
         reports[f"moe {name} gemm"] = compile_for_hopper(
             moe._moe_gemm_kernel,
             dict(a_ptr=fp8, a_scale_ptr=f32, b_ptr=fp8, b_scale_ptr=f32, c_ptr=out, sorted_ids_ptr=i32,

@@ -13,7 +13,9 @@ Work split: the ``T * k`` (token, slot) pairs are sorted by expert and each expe
 program multiplies one ``BLOCK_M`` run of one expert by a ``BLOCK_N`` slice of that expert's
 weights, block scales applied per 128-wide K block as in ``block_scaled_gemm``. The first GEMM
 computes the gate and up slices together and stores ``silu(gate) * up`` (bf16) only; the second
-multiplies by the routing weight before the store; the ``k`` slots of a token are summed in fp32.
+multiplies by the routing weight before storing each slot's output in x's dtype, and the ``k``
+slots of a token are then summed with fp32 accumulation (as vLLM's ``moe_sum``: half the bytes of
+fp32 slot outputs; at DeepSeek-V3 sizes and 4096 tokens the fp32 version's sum took 270 us).
 """
 
 import functools
@@ -60,6 +62,9 @@ def untuned_config(rows_per_expert: float) -> dict:
             "down": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}}
 
 
+ALIGN_MAX_PROGRAMS = 32  # the count and scatter launches' programs; each takes a chunk of >= 1024 pairs
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     """Sort the ``T * k`` (token, slot) pairs by expert, each expert's run padded to ``block_m``;
     pairs with a negative id (experts on another rank) are left out.
@@ -68,56 +73,86 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLO
     ``P = T * k + E * (block_m - 1)`` rounded up to ``block_m``: ``sorted_ids`` holds pair indices
     ``t * k + j`` (``T * k`` marks padding), ``block_expert`` the expert of each run of ``block_m``
     (``-1`` for blocks past the last run). Within a run the order of the pairs is unspecified (each
-    pair's output row does not depend on it). One kernel launch, no host synchronization, shapes
-    fixed by ``T * k`` and ``E``: CUDA graphs capture it. Reference: ``align_by_expert_ref``.
+    pair's output row does not depend on it). Three launches, no host synchronization, shapes fixed
+    by ``T * k`` and ``E``: CUDA graphs capture it. Reference: ``align_by_expert_ref``.
+
+    Work split: each of up to ``ALIGN_MAX_PROGRAMS`` programs counts its chunk of pairs per expert
+    (``tl.histogram``, no atomics); one program turns the counts into run starts, each program's
+    first row in each run and each block's expert; then each program scatters its pairs, taking
+    rows from its own counters, so atomics only meet within a program.
     """
     pairs = topk_ids.numel()
     size = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
-    sorted_ids = torch.empty(size + pairs, dtype=torch.int32, device=topk_ids.device)  # left-out pairs: past size
-    block_expert = torch.empty(size // block_m, dtype=torch.int32, device=topk_ids.device)
-    cursor = torch.empty(num_experts + 1, dtype=torch.int32, device=topk_ids.device)
-    _align_kernel[(1,)](topk_ids.contiguous(), sorted_ids, block_expert, cursor, pairs, num_experts, size,
-                        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts + 1), CHUNK=1024,
-                        BLOCKS_CHUNK=32, num_warps=8)
+    chunk = max(1024, triton.next_power_of_2(triton.cdiv(pairs, ALIGN_MAX_PROGRAMS)))
+    programs = max(1, triton.cdiv(pairs, chunk))
+    e_pad = triton.next_power_of_2(num_experts + 1)  # bin num_experts: the left-out pairs
+    ids = topk_ids.contiguous()
+    sorted_ids = torch.empty(size + pairs, dtype=torch.int32, device=ids.device)  # left-out pairs: past size
+    block_expert = torch.empty(size // block_m, dtype=torch.int32, device=ids.device)
+    cursor = torch.empty(programs, e_pad, dtype=torch.int32, device=ids.device)
+    _count_by_expert_kernel[(programs,)](ids, cursor, sorted_ids, pairs, num_experts, size, E_PAD=e_pad,
+                                         CHUNK=chunk)
+    _run_starts_kernel[(1,)](cursor, block_expert, programs, num_experts, size, BLOCK_M=block_m, E_PAD=e_pad,
+                             P_PAD=triton.next_power_of_2(programs), BLOCKS_CHUNK=32, num_warps=8)
+    _scatter_by_expert_kernel[(programs,)](ids, sorted_ids, cursor, pairs, num_experts, E_PAD=e_pad, CHUNK=chunk)
     return sorted_ids[:size], block_expert
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ids_ptr, block_expert_ptr, cursor_ptr, pairs, num_experts, size,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
-    """One program, four phases split by barriers: count the pairs per expert (atomics into
-    ``cursor``); turn the padded counts into run starts (``cursor``) and each block's expert; fill
-    ``sorted_ids`` with the padding marker; scatter each pair to its expert's next free row."""
-    experts = tl.arange(0, E_PAD)
-    tl.store(cursor_ptr + experts, tl.zeros([E_PAD], tl.int32), mask=experts <= num_experts)
-    tl.debug_barrier()
-    for start in range(0, pairs, CHUNK):
+def _expert_keys(ids_ptr, pairs, num_experts, CHUNK: tl.constexpr):
+    """This program's pair indices, whether each is real, and its bin (``num_experts`` if left out)."""
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    in_range = offs < pairs
+    key = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+    return offs, in_range, tl.where(key < 0, num_experts, key)
+
+
+@triton.jit
+def _count_by_expert_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, pairs, num_experts, size, E_PAD: tl.constexpr,
+                            CHUNK: tl.constexpr):
+    """Row ``p`` of ``cursor``: program ``p``'s pairs per bin. Also fills this program's share of
+    ``sorted_ids[:size]`` with the padding marker (before the scatter launch overwrites it)."""
+    pid = tl.program_id(0)
+    _, in_range, key = _expert_keys(ids_ptr, pairs, num_experts, CHUNK)
+    tl.store(cursor_ptr + pid * E_PAD + tl.arange(0, E_PAD), tl.histogram(key, E_PAD, mask=in_range))
+    share = tl.cdiv(size, tl.num_programs(0))
+    for start in range(pid * share, tl.minimum(pid * share + share, size), CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        key = tl.load(ids_ptr + offs, mask=offs < pairs, other=-1).to(tl.int32)
-        tl.atomic_add(cursor_ptr + key, 1, mask=key >= 0)
-    tl.debug_barrier()
-    counts = tl.load(cursor_ptr + experts, mask=experts < num_experts, other=0, cache_modifier=".cg")
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        tl.store(sorted_ids_ptr + offs, tl.full([CHUNK], 0, tl.int32) + pairs,
+                 mask=(offs < size) & (offs < pid * share + share))
+
+
+@triton.jit
+def _run_starts_kernel(cursor_ptr, block_expert_ptr, programs, num_experts, size, BLOCK_M: tl.constexpr,
+                       E_PAD: tl.constexpr, P_PAD: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
+    """Counts per program and bin -> each program's first row in each expert's padded run (the
+    left-out bin starts at ``size``, past the returned rows), and each block's expert."""
+    progs = tl.arange(0, P_PAD)
+    experts = tl.arange(0, E_PAD)
+    cells = cursor_ptr + progs[:, None] * E_PAD + experts[None, :]
+    valid = (progs < programs)[:, None]
+    counts_p = tl.load(cells, mask=valid, other=0)  # [P_PAD, E_PAD]
+    counts = tl.sum(counts_p, axis=0)
+    real = experts < num_experts
+    padded = tl.where(real, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     ends = tl.cumsum(padded, 0)
-    tl.debug_barrier()
-    # Run starts; bucket num_experts (left-out pairs) starts at size, past the returned rows.
-    tl.store(cursor_ptr + experts, tl.where(experts < num_experts, ends - padded, size), mask=experts <= num_experts)
-    ends = tl.where(experts < num_experts, ends, size + 1)  # padding experts never own a block
+    starts = tl.where(real, ends - padded, size)
+    tl.store(cells, starts[None, :] + tl.cumsum(counts_p, 0) - counts_p, mask=valid)
+    ends = tl.where(real, ends, size + 1)  # the left-out bin and padding bins never own a block
     for first in range(0, size // BLOCK_M, BLOCKS_CHUNK):
         blocks = first + tl.arange(0, BLOCKS_CHUNK)
         # The block's expert: how many runs end at or before its first row.
         owner = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + blocks, tl.where(owner < num_experts, owner, -1), mask=blocks < size // BLOCK_M)
-    for start in range(0, size, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        tl.store(sorted_ids_ptr + offs, tl.full([CHUNK], 0, tl.int32) + pairs, mask=offs < size)
-    tl.debug_barrier()
-    for start in range(0, pairs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        key = tl.load(ids_ptr + offs, mask=offs < pairs, other=-1).to(tl.int32)
-        key = tl.where(key < 0, num_experts, key)
-        row = tl.atomic_add(cursor_ptr + key, 1, mask=offs < pairs)
-        tl.store(sorted_ids_ptr + row, offs, mask=offs < pairs)
+
+
+@triton.jit
+def _scatter_by_expert_kernel(ids_ptr, sorted_ids_ptr, cursor_ptr, pairs, num_experts, E_PAD: tl.constexpr,
+                              CHUNK: tl.constexpr):
+    """Each pair to the next free row of its bin, from this program's own counters."""
+    offs, in_range, key = _expert_keys(ids_ptr, pairs, num_experts, CHUNK)
+    row = tl.atomic_add(cursor_ptr + tl.program_id(0) * E_PAD + key, 1, mask=in_range)
+    tl.store(sorted_ids_ptr + row, offs, mask=in_range)
 
 
 def append_shared_experts(topk_ids: torch.Tensor, topk_weights: torch.Tensor, first_shared: int, num_shared: int,
@@ -260,9 +295,9 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     _moe_gemm(a, a_scale, w13, w13_scale, hidden_act, sorted_ids, block_expert, weights, top_k, True, False,
               config["gate_up"])
     h, h_scale = quantize_per_token_group(hidden_act, SCALE_BLOCK, stats=stats)
-    down = torch.empty(tokens * top_k, hidden, dtype=torch.float32, device=x.device)
+    down = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     _moe_gemm(h, h_scale, w2, w2_scale, down, sorted_ids, block_expert, weights, 1, False, True, config["down"])
     down = down.view(tokens, top_k, hidden)
     if expert_map is not None:  # left-out pairs' rows were never written
         down.masked_fill_((ids < 0)[..., None], 0.0)
-    return down.sum(1).to(x.dtype)
+    return down.sum(1)  # fp32 accumulation, x's dtype out

@@ -35,10 +35,12 @@ def test_align_by_expert_places_every_pair_once(tokens):
     assert 5 not in block_expert.tolist()
 
 
-@pytest.mark.parametrize("tokens, experts, top_k, block_m", [(3, 4, 2, 16), (700, 40, 2, 16), (90, 9, 8, 64)])
+@pytest.mark.parametrize("tokens, experts, top_k, block_m",
+                         [(3, 4, 2, 16), (700, 40, 2, 16), (90, 9, 8, 64), (9000, 256, 8, 64)])
 def test_align_by_expert_matches_reference(tokens, experts, top_k, block_m):
-    """Several chunks of pairs (700 x 2 > 1024) and of blocks (> 32); some experts get nothing and a
-    tenth of the pairs are on another rank. Runs match the reference up to the order inside each."""
+    """Several programs of pairs (700 x 2 > 1024; DeepSeek-V3's 256 experts at 9000 tokens: 18
+    programs of 4096) and chunks of blocks (> 32); some experts get nothing and a tenth of the pairs
+    are on another rank. Runs match the reference up to the order inside each."""
     ids = torch.randint(0, experts, (tokens, top_k), dtype=torch.int32)
     ids[ids == 1] = 0
     ids[torch.rand(tokens, top_k) < 0.1] = -1

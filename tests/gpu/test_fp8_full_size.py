@@ -56,3 +56,17 @@ def test_fused_moe_deepseek_experts(tokens):
     rows = min(tokens, 8)  # the reference loops in Python
     expected = fused_moe_fp8_ref(x[:rows], w13, s13, w2, s2, weights[:rows], ids[:rows])
     assert_close(out[:rows], expected, atol=2e-2, rtol=2e-2, name="moe")
+
+
+@pytest.mark.parametrize("tokens", [1, 4096, 20000])
+def test_expert_sort_deepseek_sizes(tokens):
+    """DeepSeek-V3's 256 routed experts + 1 shared, top 8 + 1: up to 32 programs of pairs."""
+    from common_kernels.fp8.moe import align_by_expert
+    from common_kernels.fp8.reference import align_by_expert_ref
+
+    ids = torch.cat([torch.rand(tokens, 256, device="cuda").topk(8, dim=1).indices,
+                     torch.full((tokens, 1), 256, device="cuda")], dim=1).to(torch.int32)
+    sorted_ids, block_expert = align_by_expert(ids, 257, 64)
+    ref_sorted, ref_block_expert = align_by_expert_ref(ids, 257, 64)
+    assert torch.equal(block_expert, ref_block_expert)
+    assert torch.equal(sorted_ids.view(-1, 64).sort(dim=1).values, ref_sorted.view(-1, 64).sort(dim=1).values)
