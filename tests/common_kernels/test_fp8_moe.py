@@ -47,8 +47,16 @@ def test_align_by_expert_matches_reference(tokens, experts, top_k, block_m):
     sorted_ids, block_expert = align_by_expert(ids, experts, block_m)
     ref_sorted, ref_block_expert = align_by_expert_ref(ids, experts, block_m)
     assert torch.equal(block_expert, ref_block_expert)
-    runs = sorted_ids.view(-1, block_m).sort(dim=1).values
-    assert torch.equal(runs, ref_sorted.view(-1, block_m).sort(dim=1).values)
+    assert_same_runs(sorted_ids, ref_sorted, block_expert, block_m)
+
+
+def assert_same_runs(sorted_ids, ref_sorted, block_expert, block_m):
+    """Each expert's run (all its blocks) holds the same pairs and padding as the reference's, in
+    any order: the order inside a run is unspecified, so a pair may sit in another block of it."""
+    expert_of_row = block_expert.repeat_interleave(block_m).long()
+    span = int(max(sorted_ids.max(), ref_sorted.max())) + 1
+    runs = (expert_of_row * span + sorted_ids).sort().values
+    assert torch.equal(runs, (expert_of_row * span + ref_sorted).sort().values)
 
 
 def test_align_by_expert_leaves_out_negative_ids():
