@@ -84,7 +84,8 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int,
 
 def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 64, varlen: bool = False,
                   prefix_only: bool = False, keys_dense: bool = False) -> HopperReport:
-    """The MLA decode split kernel as ``mla_decode`` launches it for this shape."""
+    """The MLA decode split kernel as ``mla_decode`` launches it for this shape on sm_90: the Gluon
+    kernel of ``decode_sm90`` where it fits, else the Triton kernel."""
     from common_kernels.fp8_format import FP8_DTYPES
     from common_kernels.mla import decode, decode_sm90
 
@@ -95,7 +96,8 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
     block_n, num_warps, num_stages = decode._launch_config(plan.block_rows, page, is_fp8)
     extra = {}
     if decode_sm90.fits(plan.block_rows, keys_dtype, not keys_dense, page, 512, 64):  # as mla_decode on sm_90
-        kernel, block_n, num_warps = decode_sm90.mla_decode_split_kernel_sm90, decode_sm90.BLOCK_N, decode_sm90.NUM_WARPS
+        kernel, block_n = decode_sm90.mla_decode_split_kernel_sm90, decode_sm90.BLOCK_N
+        num_warps = decode_sm90.NUM_WARPS
         extra = dict(NUM_BUFS=decode_sm90.NUM_BUFS)
     pointers = dict(q_nope_ptr=torch.bfloat16, q_pe_ptr=torch.bfloat16, cache_ptr=keys_dtype, block_table_ptr=torch.int32,
                     seq_lens_ptr=torch.int32, kv_scale_ptr=torch.float32, tree_mask_ptr=torch.int64,

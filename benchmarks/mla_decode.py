@@ -8,9 +8,10 @@ and outputs; FLOPs are ``2 * T * H * seq_len * (D_latent + D_rope + D_latent)``.
 
     python -m benchmarks.mla_decode --out benchmarks/results/mla_decode.json
 
-``latentspeed-triton`` is latentspeed without its Gluon kernel for sm_90 (64-row groups over a
-bf16 cache), as it runs on other GPUs. TRITON_MLA has no multi-token decode in vLLM; for 2 query tokens it runs the equivalent
-2 * B single-token rows (shown as such). FLASH_ATTN_MLA has no fp8 path.
+``latentspeed-triton`` is latentspeed without its Gluon kernel for sm_90 (64-row groups, 33 or
+more heads x query tokens), as it runs on other GPUs. TRITON_MLA has no multi-token decode in
+vLLM; for 2 query tokens it runs the equivalent 2 * B single-token rows (shown as such).
+FLASH_ATTN_MLA has no fp8 path.
 """
 
 import argparse
@@ -161,7 +162,8 @@ def triton_mla(q, cache, block_table, seq_lens, q_len, kv_scale):
     return run
 
 
-PROVIDERS = {"latentspeed": ours, "latentspeed-triton": ours_triton, "FLASHMLA": flashmla, "FLASH_ATTN_MLA": flash_attn_mla, "TRITON_MLA": triton_mla}
+PROVIDERS = {"latentspeed": ours, "latentspeed-triton": ours_triton, "FLASHMLA": flashmla,
+             "FLASH_ATTN_MLA": flash_attn_mla, "TRITON_MLA": triton_mla}
 
 
 def check_against_reference(cache_dtype, heads, q_len, kv_scale):
