@@ -8,8 +8,8 @@ import argparse
 import json
 from collections import defaultdict
 
-PROVIDERS = ("latentspeed", "FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA")
-COLORS = dict(zip(PROVIDERS, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
+PROVIDERS = ("latentspeed", "latentspeed-triton", "FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA")
+COLORS = dict(zip(PROVIDERS, ("tab:blue", "tab:cyan", "tab:orange", "tab:green", "tab:red")))
 
 
 def table(rows) -> str:
@@ -42,7 +42,10 @@ def plot(rows, path: str) -> None:
     import matplotlib.pyplot as plt
 
     panels = sorted({(r["cache"], r["heads"], r["q_len"]) for r in rows})
-    fig, axes = plt.subplots(3, 4, figsize=(18, 11), sharex=True)
+    cols = min(4, len(panels))
+    rows_of_panels = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows_of_panels, cols, figsize=(4.5 * cols, 3.7 * rows_of_panels), sharex=True,
+                             squeeze=False)
     for ax, (cache, heads, q_len) in zip(axes.flat, panels):
         for provider in PROVIDERS:
             pts = sorted((r["ctx"], r["us"]) for r in rows if (r["cache"], r["heads"], r["q_len"], r["provider"]) == (cache, heads, q_len, provider))
@@ -52,7 +55,7 @@ def plot(rows, path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("µs (batch 128)")
+        ax.set_ylabel(f"µs (batch {rows[0]['batch']})")
         ax.grid(True, which="both", alpha=0.3)
     axes.flat[0].legend()
     fig.suptitle("MLA decode kernel time on one H200 (lower is better)")
