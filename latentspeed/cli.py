@@ -136,6 +136,21 @@ def _sglang_components(gpu: dict) -> list[dict]:
     return rows
 
 
+def _decode_kernel(gpu: dict) -> str:
+    """Which MLA decode kernel runs here, and why."""
+    import torch
+
+    from common_kernels.mla.decode import sm90_kernel_enabled
+
+    if not gpu["available"]:
+        return "Triton (no GPU: the interpreter, with TRITON_INTERPRET=1)"
+    if sm90_kernel_enabled(torch.device("cuda", 0)):
+        return "Gluon sm_90 kernel for 64-row groups (33 or more heads x query tokens), Triton for the rest"
+    if gpu["capability"] == "9.0":
+        return "Triton (LATENTSPEED_MLA_DECODE_SM90=0)"
+    return f"Triton (the Gluon kernel needs sm_90; this GPU is sm_{gpu['capability'].replace('.', '')})"
+
+
 def info(as_json: bool) -> int:
     import torch
 
@@ -144,6 +159,7 @@ def info(as_json: bool) -> int:
         "gpu": _gpu(),
         "fp8_guard": os.environ.get("LATENTSPEED_FP8_GUARD", "warn"),
     }
+    report["mla_decode_kernel"] = _decode_kernel(report["gpu"])
     report["components"] = _vllm_components(report["gpu"]) + _sglang_components(report["gpu"])
     if as_json:
         print(json.dumps(report, indent=2))
@@ -152,6 +168,7 @@ def info(as_json: bool) -> int:
     gpu = report["gpu"]
     print(f"gpu: {gpu['name']} (compute capability {gpu['capability']})" if gpu["available"] else "gpu: none")
     print(f"torch sees CUDA: {torch.cuda.is_available()}; fp8 guard: {report['fp8_guard']}")
+    print(f"MLA decode kernel: {report['mla_decode_kernel']}")
     width = max(len(c["component"]) for c in report["components"])
     for c in report["components"]:
         print(f"  {c['component']:<{width}}  {'usable' if c['usable'] else 'NOT usable'}: {c['why']}")

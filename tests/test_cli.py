@@ -20,6 +20,8 @@ def test_info_reports_versions_gpu_and_components():
     assert report["versions"]["torch"].startswith("2.11")
     names = [c["component"] for c in report["components"]]
     assert "vllm MLA decode (fp8_e5m2 cache)" in names and "vllm MLA prefill" in names
+    if not report["gpu"]["available"]:
+        assert report["mla_decode_kernel"].startswith("Triton (no GPU")
     for component in report["components"]:
         assert component["usable"] or component["why"], component  # every refusal says why
 

@@ -532,14 +532,19 @@ def _is_sm90(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
+def sm90_kernel_enabled(device: torch.device) -> bool:
+    """Whether launches on ``device`` that fit it run the Gluon kernel of ``decode_sm90``: an sm_90
+    GPU, outside the interpreter, unless ``LATENTSPEED_MLA_DECODE_SM90=0`` keeps the Triton kernel."""
+    return (not _INTERPRET and device.type == "cuda" and os.environ.get("LATENTSPEED_MLA_DECODE_SM90", "1") != "0"
+            and _is_sm90(device))
+
+
 def _takes_sm90_kernel(keys: torch.Tensor, d_rope: int, block_rows: int) -> bool:
-    """Whether a launch goes to the Gluon kernel of ``decode_sm90``: a shape it takes
-    (``decode_sm90.fits``) on an sm_90 GPU; ``LATENTSPEED_MLA_DECODE_SM90=0`` keeps the Triton kernel."""
+    """Whether a launch goes to the Gluon kernel: a shape it takes (``decode_sm90.fits``), enabled here."""
     paged = keys.dim() == 3
-    return (not _INTERPRET and keys.is_cuda
-            and decode_sm90.fits(block_rows, keys.dtype, paged, keys.shape[1] if paged else 0,
-                                 keys.shape[-1] - d_rope, d_rope)
-            and os.environ.get("LATENTSPEED_MLA_DECODE_SM90", "1") != "0" and _is_sm90(keys.device))
+    return (decode_sm90.fits(block_rows, keys.dtype, paged, keys.shape[1] if paged else 0, keys.shape[-1] - d_rope,
+                             d_rope)
+            and sm90_kernel_enabled(keys.device))
 
 
 def _launch_split(q_nope, q_pe, keys, block_table, seq_lens, kv_scale, tree_mask, query_start_loc, part_out, part_lse,

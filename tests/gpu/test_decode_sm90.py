@@ -36,9 +36,13 @@ def _decode(monkeypatch, sm90, *args, **kwargs):
     return out, lse
 
 
-def test_dispatch():
-    """64-row groups over a paged bf16/fp16/fp8 cache go to the Gluon kernel; the rest stays Triton."""
+def test_dispatch(monkeypatch):
+    """64-row groups over a paged bf16/fp16/fp8 cache go to the Gluon kernel; the rest stays Triton,
+    and so does everything with LATENTSPEED_MLA_DECODE_SM90=0."""
     bf16 = torch.empty(4, 64, 576, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setenv("LATENTSPEED_MLA_DECODE_SM90", "0")
+    assert not decode._takes_sm90_kernel(bf16, 64, 64)
+    monkeypatch.delenv("LATENTSPEED_MLA_DECODE_SM90")
     assert decode._takes_sm90_kernel(bf16, 64, 64)
     assert decode._takes_sm90_kernel(bf16.half(), 64, 64)
     assert not decode._takes_sm90_kernel(bf16, 64, 16)  # 16-row groups
