@@ -47,16 +47,17 @@ def test_align_by_expert_matches_reference(tokens, experts, top_k, block_m):
     sorted_ids, block_expert = align_by_expert(ids, experts, block_m)
     ref_sorted, ref_block_expert = align_by_expert_ref(ids, experts, block_m)
     assert torch.equal(block_expert, ref_block_expert)
-    assert_same_runs(sorted_ids, ref_sorted, block_expert, block_m)
+    assert_same_runs(sorted_ids, ref_sorted, block_expert, block_m, ids.numel())
 
 
-def assert_same_runs(sorted_ids, ref_sorted, block_expert, block_m):
-    """Each expert's run (all its blocks) holds the same pairs and padding as the reference's, in
-    any order: the order inside a run is unspecified, so a pair may sit in another block of it."""
+def assert_same_runs(sorted_ids, ref_sorted, block_expert, block_m, pairs):
+    """Each expert's run (all its blocks) holds the same pairs as the reference's, in any order: the
+    order inside a run is unspecified, so a pair may sit in another block of it. The padding rows
+    (marker ``pairs``) are the same rows as the reference's: each run's end."""
     expert_of_row = block_expert.repeat_interleave(block_m).long()
-    span = int(max(sorted_ids.max(), ref_sorted.max())) + 1
-    runs = (expert_of_row * span + sorted_ids).sort().values
-    assert torch.equal(runs, (expert_of_row * span + ref_sorted).sort().values)
+    runs = (expert_of_row * (pairs + 1) + sorted_ids).sort().values
+    assert torch.equal(runs, (expert_of_row * (pairs + 1) + ref_sorted).sort().values)
+    assert torch.equal(sorted_ids == pairs, ref_sorted == pairs)
 
 
 def test_align_by_expert_leaves_out_negative_ids():
