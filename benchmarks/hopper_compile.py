@@ -84,21 +84,25 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int,
 
 def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 64, varlen: bool = False,
                   prefix_only: bool = False, keys_dense: bool = False) -> HopperReport:
-    """The MLA decode split kernel as ``mla_decode`` launches it for this shape on sm_90: the Gluon
-    kernel of ``decode_sm90`` where it fits, else the Triton kernel."""
+    """The MLA decode split kernel as ``mla_decode`` launches it for this shape on sm_90: a Gluon
+    kernel (``decode_sm90``, ``decode_sm90_narrow``) where one fits, else the Triton kernel."""
     from common_kernels.fp8_format import FP8_DTYPES
     from common_kernels.mla import decode, decode_sm90
 
-    plan = decode.plan_decode(128, heads, q_len, 8192, 132, cache_dtype=cache_dtype)
+    sm90 = decode.sm90_kernel_for(64, cache_dtype, True, page, 512, 64) is not None  # sm90_kernels_apply on an H200
+    plan = decode.plan_decode(128, heads, q_len, 8192, 132, cache_dtype=cache_dtype, sm90=sm90)
     keys_dtype = torch.bfloat16 if keys_dense else cache_dtype
     is_fp8 = keys_dtype in FP8_DTYPES
     kernel = decode._mla_decode_split_kernel
     block_n, num_warps, num_stages = decode._launch_config(plan.block_rows, page, is_fp8)
     extra = {}
-    if decode_sm90.fits(plan.block_rows, keys_dtype, not keys_dense, page, 512, 64):  # as mla_decode on sm_90
-        kernel, block_n = decode_sm90.mla_decode_split_kernel_sm90, decode_sm90.BLOCK_N
-        num_warps = decode_sm90.NUM_WARPS
+    module = decode.sm90_kernel_for(plan.block_rows, keys_dtype, not keys_dense, page, 512, 64) if sm90 else None
+    if module is decode_sm90:
+        kernel, block_n, num_warps = decode_sm90.mla_decode_split_kernel_sm90, decode_sm90.BLOCK_N, decode_sm90.NUM_WARPS
         extra = dict(NUM_BUFS=decode_sm90.NUM_BUFS)
+    elif module is not None:
+        kernel, block_n, num_warps = module.mla_decode_split_kernel_sm90_narrow, module.BLOCK_N, module.NUM_WARPS
+        extra = dict(NUM_BUFS=module.num_bufs(keys_dtype, plan.block_rows))
     pointers = dict(q_nope_ptr=torch.bfloat16, q_pe_ptr=torch.bfloat16, cache_ptr=keys_dtype, block_table_ptr=torch.int32,
                     seq_lens_ptr=torch.int32, kv_scale_ptr=torch.float32, tree_mask_ptr=torch.int64,
                     q_start_ptr=torch.int32, out_ptr=torch.float32, lse_ptr=torch.float32)

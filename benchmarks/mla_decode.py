@@ -8,8 +8,8 @@ and outputs; FLOPs are ``2 * T * H * seq_len * (D_latent + D_rope + D_latent)``.
 
     python -m benchmarks.mla_decode --out benchmarks/results/mla_decode.json
 
-``latentspeed-triton`` is latentspeed without its Gluon kernel for sm_90 (64-row groups, 33 or
-more heads x query tokens), as it runs on other GPUs. TRITON_MLA has no multi-token decode in
+``latentspeed-triton`` is latentspeed without its Gluon kernels for sm_90, as it runs on other
+GPUs. TRITON_MLA has no multi-token decode in
 vLLM; for 2 query tokens it runs the equivalent 2 * B single-token rows (shown as such).
 FLASH_ATTN_MLA has no fp8 path.
 """
@@ -17,14 +17,13 @@ FLASH_ATTN_MLA has no fp8 path.
 import argparse
 import json
 import math
-import os
 import sys
 
 import torch
 import triton
 
 from benchmarks.timing import in_cuda_graph
-from common_kernels.mla import mla_decode, plan_decode
+from common_kernels.mla import mla_decode, plan_decode, sm90_kernels_apply
 from common_kernels.mla.reference import mla_decode_ref
 
 D_LATENT, D_ROPE, PAGE = 512, 64, 64
@@ -45,10 +44,12 @@ def make_inputs(batch, heads, q_len, ctx, cache_dtype, seed=0):
     return q, cache, block_table, seq_lens
 
 
-def ours(q, cache, block_table, seq_lens, q_len, kv_scale):
+def ours(q, cache, block_table, seq_lens, q_len, kv_scale, sm90=None):
     batch, heads = block_table.shape[0], q.shape[1]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = plan_decode(batch, heads, q_len, int(seq_lens.max()), sms, cache_dtype=cache.dtype)
+    if sm90 is None:
+        sm90 = sm90_kernels_apply(cache.device, cache.dtype, cache.shape[1], D_LATENT, D_ROPE)
+    plan = plan_decode(batch, heads, q_len, int(seq_lens.max()), sms, cache_dtype=cache.dtype, sm90=sm90)
     q_nope, q_pe = q[..., :D_LATENT], q[..., D_LATENT:]
     out = torch.empty(q.shape[0], heads, D_LATENT, dtype=q.dtype, device="cuda")
     lse = torch.empty(q.shape[0], heads, dtype=torch.float32, device="cuda")
@@ -60,16 +61,7 @@ def ours(q, cache, block_table, seq_lens, q_len, kv_scale):
 
 def ours_triton(q, cache, block_table, seq_lens, q_len, kv_scale):
     """latentspeed with its Triton split kernel only, as on a GPU other than sm_90 (no Gluon kernel)."""
-    run = ours(q, cache, block_table, seq_lens, q_len, kv_scale)
-
-    def run_triton():
-        os.environ["LATENTSPEED_MLA_DECODE_SM90"] = "0"
-        try:
-            return run()
-        finally:
-            del os.environ["LATENTSPEED_MLA_DECODE_SM90"]
-
-    return run_triton
+    return ours(q, cache, block_table, seq_lens, q_len, kv_scale, sm90=False)
 
 
 def flashmla(q, cache, block_table, seq_lens, q_len, kv_scale):

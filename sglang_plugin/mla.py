@@ -27,7 +27,15 @@ from sglang.srt.runtime_context import get_parallel
 
 from common_kernels.fp8_format import FP8_DTYPES
 from common_kernels.guard import fp8_guard
-from common_kernels.mla import DecodePlan, is_supported, mla_decode, plan_decode, varlen_attention, write_latent_cache
+from common_kernels.mla import (
+    DecodePlan,
+    is_supported,
+    mla_decode,
+    plan_decode,
+    sm90_kernels_apply,
+    varlen_attention,
+    write_latent_cache,
+)
 from common_kernels.mla.support import SUPPORTED_BLOCK_SIZES
 
 from . import BACKEND_NAME
@@ -88,6 +96,8 @@ class LatentspeedMLABackend(AttentionBackend):
             hint = f" (pass --page-size {SUPPORTED_BLOCK_SIZES[-1]})" if "block size" in reason else ""
             raise ValueError(f"latentspeed attention backend: {reason}{hint}")
         self.num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count if device_index is not None else 1
+        self.sm90 = sm90_kernels_apply(torch.device(self.device), self.cache_dtype, self.page_size, config.kv_lora_rank,
+                                       config.qk_rope_head_dim)
         # SGLang's own MLA writers (the model's prefill path) store fp8 unscaled: read with 1.
         self.unit_scale = torch.ones(1, dtype=torch.float32, device=self.device)
         # Created here, not lazily: counters first made inside a graph capture would be zeroed
@@ -119,6 +129,10 @@ class LatentspeedMLABackend(AttentionBackend):
         bits = spec_info.custom_mask[index].to(torch.int64)
         return (bits << rows.to(torch.int64)).sum(-1)
 
+    def _plan(self, batch: int, q_len: int, max_seq_len: int) -> DecodePlan:
+        return plan_decode(batch, self.num_heads, q_len, max_seq_len, self.num_sms, cache_dtype=self.cache_dtype,
+                           sm90=self.sm90)
+
     def _metadata(self, forward_batch, max_seq_len: int) -> ForwardMetadata:
         mode = forward_batch.forward_mode
         batch = forward_batch.batch_size
@@ -128,18 +142,18 @@ class LatentspeedMLABackend(AttentionBackend):
             tree = self._tree_mask(forward_batch.spec_info, seq_lens, num_draft)
             seq_lens = seq_lens + num_draft
             max_seq_len += num_draft
-            plan = plan_decode(batch, self.num_heads, num_draft, max_seq_len, self.num_sms, cache_dtype=self.cache_dtype)
+            plan = self._plan(batch, num_draft, max_seq_len)
             return ForwardMetadata(self._page_table(forward_batch.req_pool_indices, -(-max_seq_len // self.page_size)),
                                    seq_lens, plan, tree_mask=tree)
         page_table = self._page_table(forward_batch.req_pool_indices, -(-max_seq_len // self.page_size))
         if mode.is_decode_or_idle():
-            plan = plan_decode(batch, self.num_heads, 1, max_seq_len, self.num_sms, cache_dtype=self.cache_dtype)
+            plan = self._plan(batch, 1, max_seq_len)
             return ForwardMetadata(page_table, seq_lens, plan)
         extend_lens = forward_batch.extend_seq_lens.to(torch.int32)
         starts = torch.zeros(2, batch + 1, dtype=torch.int32, device=extend_lens.device)
         torch.cumsum(torch.stack([extend_lens, seq_lens]), 1, out=starts[:, 1:])
         max_extend = max(forward_batch.extend_seq_lens_cpu) if batch else 0
-        plan = plan_decode(batch, self.num_heads, max(1, max_extend), max_seq_len, self.num_sms, cache_dtype=self.cache_dtype)
+        plan = self._plan(batch, max(1, max_extend), max_seq_len)
         return ForwardMetadata(page_table, seq_lens, plan, query_start_loc=starts[0], kv_start_loc=starts[1],
                                max_extend_len=max_extend)
 

@@ -39,6 +39,7 @@ from common_kernels.mla import (
     max_workspace_tokens_times_splits,
     mla_decode,
     plan_decode,
+    sm90_kernels_apply,
     write_latent_cache,
 )
 from common_kernels.mla.support import SUPPORTED_BLOCK_SIZES
@@ -162,6 +163,8 @@ class LatentspeedMLAMetadataBuilder(MLACommonMetadataBuilder[LatentspeedMLAMetad
         quantized = vllm_config.quant_config is not None and vllm_config.quant_config.get_name() == FP8_METHOD
         fp8_cache = kv_cache_spec.cache_dtype_str.startswith("fp8")
         self._cache_dtype = cache_torch_dtype(kv_cache_spec.cache_dtype_str, kv_cache_spec.dtype)
+        self._sm90 = sm90_kernels_apply(device, self._cache_dtype, self.page_size, self.mla_dims.kv_lora_rank,
+                                        self.mla_dims.qk_rope_head_dim)
         # One host read every check_every steps covers the cache writes and latentspeed_fp8's linears.
         self._fp8_guard = fp8_guard(device) if fp8_cache or quantized else None
         self._reserve_decode_workspace()
@@ -199,6 +202,7 @@ class LatentspeedMLAMetadataBuilder(MLACommonMetadataBuilder[LatentspeedMLAMetad
             num_sms=self._num_sms,
             num_splits=1 if envs.VLLM_BATCH_INVARIANT else None,
             cache_dtype=self._cache_dtype,
+            sm90=self._sm90,
         )
         if self._fp8_guard is not None:
             self._fp8_guard.step()

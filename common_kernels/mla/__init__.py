@@ -3,7 +3,7 @@ decode and varlen prefill attention, each beside its PyTorch reference in ``refe
 
 from ..fp8_format import FP8_DTYPES
 from .cache import write_latent_cache
-from .decode import DecodePlan, max_workspace_tokens_times_splits, mla_decode, plan_decode
+from .decode import DecodePlan, max_workspace_tokens_times_splits, mla_decode, plan_decode, sm90_kernels_apply
 from .prefill import split_head_dim, varlen_attention
 from .support import is_supported
 
@@ -14,6 +14,7 @@ __all__ = [
     "max_workspace_tokens_times_splits",
     "mla_decode",
     "plan_decode",
+    "sm90_kernels_apply",
     "split_head_dim",
     "varlen_attention",
     "write_latent_cache",

@@ -28,8 +28,10 @@ cores: each query row ``[q_nope | q_pe]`` is scaled by the power of two that bri
 largest magnitude into ``[128, 256)`` and rounded to E4M3 (``DecodePlan.fp8_queries``; the
 reference models it with ``fp8_queries=True``), and ``P V`` stays in fp16.
 
-On sm_90, 64-row groups over a paged cache run the Gluon kernel of ``decode_sm90`` instead (same
-contract and partials, faster layouts); everything else runs the Triton kernel below.
+On sm_90, plans made for it (``plan_decode(..., sm90=True)``, see ``sm90_kernels_apply``) run
+launches over a paged cache on Gluon kernels instead (same contract and partials, faster
+layouts): ``decode_sm90`` for 64-row groups, ``decode_sm90_narrow`` for 16- and 32-row groups,
+whose fp8 path also rounds the queries to E4M3. Everything else runs the Triton kernel below.
 
 Extends over an fp8 cache can pass the new tokens' own latent rows (``fresh_kv``): the cached
 prefix is then one launch (every query sees all of it) and the new tokens' causal block a
@@ -46,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ..fp8_format import FP8_DTYPES, round_to_fp8_grid
-from . import decode_sm90
+from . import decode_sm90, decode_sm90_narrow
 from .cache import HALF_DTYPES
 from .softmax import finish_softmax, online_softmax_step
 
@@ -287,11 +289,12 @@ class DecodePlan:
     num_heads: int
     block_rows: int
     num_splits: int
+    sm90: bool = False  # made for the Gluon kernels of sm_90 (``sm90_kernels_apply``)
 
     def fp8_queries(self, cache_dtype: torch.dtype) -> bool:
         """Whether ``Q K^T`` runs in fp8 (queries quantized per row to E4M3): fp8 caches
-        with row groups of 64."""
-        return cache_dtype in FP8_DTYPES and self.block_rows >= MAX_BLOCK_ROWS
+        with row groups of 64, or any row group on sm_90's kernels."""
+        return cache_dtype in FP8_DTYPES and (self.block_rows >= MAX_BLOCK_ROWS or self.sm90)
 
     @property
     def row_groups(self) -> int:
@@ -314,11 +317,12 @@ MAX_SPLITS = 32
 MAX_PROGRAMS_PER_SM = 3
 
 
-def programs_per_sm(block_rows: int, cache_dtype: torch.dtype | None) -> int:
+def programs_per_sm(block_rows: int, cache_dtype: torch.dtype | None, sm90: bool = False) -> int:
     """Split-kernel programs one multiprocessor holds at once with ``_launch_config``'s choices:
     three 4-warp bf16 launches of 16-row groups (159 registers a thread, ptxas for sm_90a; three
-    beat two at batch 128); one 8-warp launch (all 255 registers a thread)."""
-    return MAX_PROGRAMS_PER_SM if block_rows <= 16 and cache_dtype not in FP8_DTYPES else 1
+    beat two at batch 128); one 8-warp launch (all 255 registers a thread). sm_90's Gluon
+    kernels take most of the shared memory: one."""
+    return MAX_PROGRAMS_PER_SM if block_rows <= 16 and cache_dtype not in FP8_DTYPES and not sm90 else 1
 
 
 def plan_decode(
@@ -329,6 +333,7 @@ def plan_decode(
     num_sms: int,
     num_splits: int | None = None,
     cache_dtype: torch.dtype | None = None,
+    sm90: bool = False,
 ) -> DecodePlan:
     """Choose the row-group size and the split count for one decode batch.
 
@@ -336,7 +341,8 @@ def plan_decode(
     without giving a split fewer than ``MIN_TOKENS_PER_SPLIT`` tokens or making more than
     ``MAX_SPLITS`` (benchmarks/results/mla_decode-splits-2026-12-01.md). ``cache_dtype``
     (default bf16) sets the launch, hence the occupancy. ``num_splits`` overrides the heuristic
-    (1 gives a deterministic, batch-invariant merge).
+    (1 gives a deterministic, batch-invariant merge). ``sm90``: the launches will run on sm_90's
+    Gluon kernels (pass ``sm90_kernels_apply(...)``); without it they run the Triton kernel.
     """
     if batch < 0 or num_heads < 1 or q_len < 1:
         raise ValueError(f"bad decode batch: batch={batch}, num_heads={num_heads}, q_len={q_len}")
@@ -344,10 +350,10 @@ def plan_decode(
     block_rows = min(MAX_BLOCK_ROWS, max(16, triton.next_power_of_2(rows)))
     if num_splits is None:
         groups = max(1, batch) * triton.cdiv(rows, block_rows)
-        by_occupancy = programs_per_sm(block_rows, cache_dtype) * num_sms // groups
+        by_occupancy = programs_per_sm(block_rows, cache_dtype, sm90) * num_sms // groups
         by_length = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
         num_splits = max(1, min(by_occupancy, by_length, MAX_SPLITS))
-    return DecodePlan(batch, q_len, num_heads, block_rows, num_splits)
+    return DecodePlan(batch, q_len, num_heads, block_rows, num_splits, sm90)
 
 
 def max_workspace_tokens_times_splits(max_batch: int, num_sms: int) -> int:
@@ -443,7 +449,7 @@ def mla_decode(
         seq_lens: ``[B]`` int32 cache tokens per request, the query tokens included; 0 gives a
             zero output and ``lse = -inf`` (CUDA-graph padding).
         softmax_scale: multiplies ``q . k`` before the softmax.
-        plan: from ``plan_decode(B, H, S_q, max(seq_lens), num_sms)``.
+        plan: from ``plan_decode(B, H, S_q, max(seq_lens), num_sms, cache_dtype=..., sm90=...)``.
         kv_scale: ``[1]`` fp32 per-tensor dequantization scale (fp8 caches only).
         out: optional ``[T, H, D_latent]`` output in the query dtype (CUDA-graph-safe buffer).
         lse: optional ``[T, H]`` fp32 log-sum-exp (natural log) buffer.
@@ -468,7 +474,9 @@ def mla_decode(
 
     Example::
 
-        plan = plan_decode(batch=B, num_heads=128, q_len=1, max_seq_len=4096, num_sms=132)
+        sm90 = sm90_kernels_apply(cache.device, cache.dtype, cache.shape[1], 512, 64)
+        plan = plan_decode(batch=B, num_heads=128, q_len=1, max_seq_len=4096, num_sms=132,
+                           cache_dtype=cache.dtype, sm90=sm90)
         out, lse = mla_decode(q_nope, q_pe, cache, block_table, seq_lens, 192**-0.5, plan)
     """
     _validate(q_nope, q_pe, kv_cache, block_table, seq_lens, kv_scale, plan, tree_mask, query_start_loc)
@@ -533,18 +541,27 @@ def _is_sm90(device: torch.device) -> bool:
 
 
 def sm90_kernel_enabled(device: torch.device) -> bool:
-    """Whether launches on ``device`` that fit it run the Gluon kernel of ``decode_sm90``: an sm_90
-    GPU, outside the interpreter, unless ``LATENTSPEED_MLA_DECODE_SM90=0`` keeps the Triton kernel."""
+    """Whether ``device`` runs the Gluon kernels for sm_90: an sm_90 GPU, outside the interpreter,
+    unless ``LATENTSPEED_MLA_DECODE_SM90=0`` keeps the Triton kernel."""
     return (not _INTERPRET and device.type == "cuda" and os.environ.get("LATENTSPEED_MLA_DECODE_SM90", "1") != "0"
             and _is_sm90(device))
 
 
-def _takes_sm90_kernel(keys: torch.Tensor, d_rope: int, block_rows: int) -> bool:
-    """Whether a launch goes to the Gluon kernel: a shape it takes (``decode_sm90.fits``), enabled here."""
-    paged = keys.dim() == 3
-    return (decode_sm90.fits(block_rows, keys.dtype, paged, keys.shape[1] if paged else 0, keys.shape[-1] - d_rope,
-                             d_rope)
-            and sm90_kernel_enabled(keys.device))
+def sm90_kernel_for(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, d_latent: int,
+                    d_rope: int):
+    """The module of the Gluon kernel for sm_90 that takes a launch of this shape, or None."""
+    for module in (decode_sm90, decode_sm90_narrow):
+        if module.fits(block_rows, keys_dtype, paged, page_size, d_latent, d_rope):
+            return module
+    return None
+
+
+def sm90_kernels_apply(device: torch.device, cache_dtype: torch.dtype, page_size: int, d_latent: int,
+                       d_rope: int) -> bool:
+    """Whether decode over a paged cache of this kind runs on the Gluon kernels for sm_90 on
+    ``device``: pass it to ``plan_decode(..., sm90=...)``."""
+    return (sm90_kernel_enabled(device)
+            and sm90_kernel_for(MAX_BLOCK_ROWS, cache_dtype, True, page_size, d_latent, d_rope) is not None)
 
 
 def _launch_split(q_nope, q_pe, keys, block_table, seq_lens, kv_scale, tree_mask, query_start_loc, part_out, part_lse,
@@ -554,9 +571,15 @@ def _launch_split(q_nope, q_pe, keys, block_table, seq_lens, kv_scale, tree_mask
     dense = keys.dim() == 2
     is_fp8 = keys.dtype in FP8_DTYPES
     page_size = MAX_BLOCK_ROWS if dense else keys.shape[1]
-    if _takes_sm90_kernel(keys, q_pe.shape[-1], plan.block_rows):
+    d_rope = q_pe.shape[-1]
+    module = (sm90_kernel_for(plan.block_rows, keys.dtype, not dense, page_size, keys.shape[-1] - d_rope, d_rope)
+              if plan.sm90 and sm90_kernel_enabled(keys.device) else None)
+    if module is decode_sm90:
         kernel, block_n = decode_sm90.mla_decode_split_kernel_sm90, decode_sm90.BLOCK_N
         options = dict(NUM_BUFS=decode_sm90.NUM_BUFS, num_warps=decode_sm90.NUM_WARPS)
+    elif module is decode_sm90_narrow:
+        kernel, block_n = decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow, decode_sm90_narrow.BLOCK_N
+        options = dict(NUM_BUFS=decode_sm90_narrow.num_bufs(keys.dtype, plan.block_rows), num_warps=decode_sm90_narrow.NUM_WARPS)
     else:
         kernel = _mla_decode_split_kernel
         block_n, num_warps, num_stages = _launch_config(plan.block_rows, page_size, is_fp8)

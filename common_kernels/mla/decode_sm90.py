@@ -86,6 +86,71 @@ def _issue_tile(kc_ring, kp_ring, slot, n0, end, cache_ptr, page, stride_cache_b
 
 
 @gluon.jit
+def _start_ring(kc_ring, kp_ring, start, end, cache_ptr, bt_row, stride_cache_block, stride_cache_tok,
+                PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr,
+                NUM_BUFS: gl.constexpr, ld_layout: gl.constexpr):
+    """Issue the first ``NUM_BUFS - 1`` tiles of ``[start, end)``; return the page of the next one
+    (page ids are read one tile ahead of their copies, so no copy waits on a block-table load)."""
+    for t in gl.static_range(NUM_BUFS - 1):
+        _issue_tile(kc_ring, kp_ring, t, start + t * BLOCK_N, end, cache_ptr,
+                    _page_of(bt_row, start + t * BLOCK_N, end, PAGE_SIZE), stride_cache_block, stride_cache_tok,
+                    PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, ld_layout)
+    return _page_of(bt_row, start + (NUM_BUFS - 1) * BLOCK_N, end, PAGE_SIZE)
+
+
+@gluon.jit
+def _advance_ring(kc_ring, kp_ring, i, page, start, end, cache_ptr, bt_row, stride_cache_block, stride_cache_tok,
+                  PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr,
+                  NUM_BUFS: gl.constexpr, ld_layout: gl.constexpr):
+    """Before tile ``i``: wait until it has landed for every thread and every thread is done with
+    tile ``i - 1``, then refill that slot with tile ``i + NUM_BUFS - 1`` from ``page`` (past the
+    end: an empty group, so the count stays uniform). Returns the page of the tile after it."""
+    async_copy.wait_group(NUM_BUFS - 2)
+    fence_async_shared()
+    gl.thread_barrier()
+    page_next = _page_of(bt_row, start + (i + NUM_BUFS) * BLOCK_N, end, PAGE_SIZE)
+    _issue_tile(kc_ring, kp_ring, (i + NUM_BUFS - 1) % NUM_BUFS, start + (i + NUM_BUFS - 1) * BLOCK_N, end,
+                cache_ptr, page, stride_cache_block, stride_cache_tok, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, ld_layout)
+    return page_next
+
+
+@gluon.jit
+def _load_queries(q_nope_ptr, q_pe_ptr, q_start, q_len, pid_g, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+                  NUM_HEADS: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_R: gl.constexpr,
+                  IS_FP8: gl.constexpr, ld_layout: gl.constexpr):
+    """The group's query rows (row r of the request is token r // H, head r % H, the Triton
+    kernel's numbering) as ``Q K^T`` reads them, and the power of two per row they were scaled by.
+
+    fp8 caches: the Triton kernel's query rounding, a power of two per row bringing max|row| into
+    [128, 256) (exact), then E4M3 round-to-nearest-even; scores are scaled back by kv_scale / q_scale.
+    """
+    offs_r = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ld_layout))
+    mask_r = (offs_r < q_len * NUM_HEADS)[:, None]
+    q_rows = (q_start + offs_r // NUM_HEADS)[:, None]
+    heads = (offs_r % NUM_HEADS)[:, None]
+    offs_c = gl.arange(0, D_LATENT, layout=gl.SliceLayout(0, ld_layout))
+    offs_p = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_layout))
+    q_nope = gl.load(q_nope_ptr + q_rows * stride_qn_t + heads * stride_qn_h + offs_c[None, :], mask=mask_r, other=0.0)
+    q_pe = gl.load(q_pe_ptr + q_rows * stride_qp_t + heads * stride_qp_h + offs_p[None, :], mask=mask_r, other=0.0)
+    q_scale = gl.full([BLOCK_R], 1.0, gl.float32, layout=gl.SliceLayout(1, ld_layout))
+    if IS_FP8:
+        q_max = gl.maximum(gl.max(gl.abs(q_nope.to(gl.float32)), axis=1), gl.max(gl.abs(q_pe.to(gl.float32)), axis=1))
+        q_exp = ((gl.maximum(q_max, 1e-30).to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        q_scale = ((127 + 7 - q_exp) << 23).to(gl.float32, bitcast=True)
+        q_nope = (q_nope.to(gl.float32) * q_scale[:, None]).to(gl.float8e4nv)
+        q_pe = (q_pe.to(gl.float32) * q_scale[:, None]).to(gl.float8e4nv)
+    return q_nope, q_pe, q_scale
+
+
+@gluon.jit
+def _widen_latent(kc, v_smem, ld_layout: gl.constexpr, D_LATENT: gl.constexpr):
+    """An fp8 tile's latent part into ``v_smem`` in fp16 (exact), ``V_CHUNK`` columns at a time."""
+    for c in gl.static_range(D_LATENT // V_CHUNK):
+        v_part = kc.slice(c * V_CHUNK, V_CHUNK, dim=1).load(ld_layout)
+        v_smem.slice(c * V_CHUNK, V_CHUNK, dim=1).store(v_part.to(v_smem.dtype))
+
+
+@gluon.jit
 def mla_decode_split_kernel_sm90(
     q_nope_ptr,
     q_pe_ptr,
@@ -141,7 +206,6 @@ def mla_decode_split_kernel_sm90(
                                                     instr_shape=[16, BLOCK_N // 2, 32 if IS_FP8 else 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                     instr_shape=[16, D_LATENT // 2, 16])
-    rows_ld: gl.constexpr = gl.SliceLayout(1, ld_layout)
     rows_s: gl.constexpr = gl.SliceLayout(1, mma_s)
     rows_o: gl.constexpr = gl.SliceLayout(1, mma_o)
 
@@ -163,24 +227,11 @@ def mla_decode_split_kernel_sm90(
     start = pid_s * split_len
     end = gl.minimum(start + split_len, num_keys)
 
-    # Query row r of the request is token r // H, head r % H (the Triton kernel's numbering).
-    offs_r = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=rows_ld)
-    mask_r = (offs_r < q_len * NUM_HEADS)[:, None]
-    q_rows = (q_start + offs_r // NUM_HEADS)[:, None]
-    heads = (offs_r % NUM_HEADS)[:, None]
-    offs_c = gl.arange(0, D_LATENT, layout=gl.SliceLayout(0, ld_layout))
-    offs_p = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_layout))
-    q_nope = gl.load(q_nope_ptr + q_rows * stride_qn_t + heads * stride_qn_h + offs_c[None, :], mask=mask_r, other=0.0)
-    q_pe = gl.load(q_pe_ptr + q_rows * stride_qp_t + heads * stride_qp_h + offs_p[None, :], mask=mask_r, other=0.0)
+    q_nope, q_pe, q_scale = _load_queries(q_nope_ptr, q_pe_ptr, q_start, q_len, pid_g, stride_qn_t, stride_qn_h,
+                                          stride_qp_t, stride_qp_h, NUM_HEADS, D_LATENT, D_ROPE, BLOCK_R, IS_FP8,
+                                          ld_layout)
     if IS_FP8:
-        # The Triton kernel's query rounding: a power of two per row brings max|row| into [128, 256)
-        # (exact), then E4M3 round-to-nearest-even; scores are scaled back by kv_scale / q_scale.
         kv_scale = gl.load(kv_scale_ptr)
-        q_max = gl.maximum(gl.max(gl.abs(q_nope.to(gl.float32)), axis=1), gl.max(gl.abs(q_pe.to(gl.float32)), axis=1))
-        q_exp = ((gl.maximum(q_max, 1e-30).to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        q_scale = ((127 + 7 - q_exp) << 23).to(gl.float32, bitcast=True)
-        q_nope = (q_nope.to(gl.float32) * q_scale[:, None]).to(qk_ty)
-        q_pe = (q_pe.to(gl.float32) * q_scale[:, None]).to(qk_ty)
         score_scale = gl.convert_layout(qk_scale_log2 * kv_scale / q_scale, rows_s)[:, None]
     else:
         kv_scale = 1.0
@@ -208,12 +259,8 @@ def mla_decode_split_kernel_sm90(
         visible = draft_start + 1 + tok_j
 
     bt_row = block_table_ptr + pid_b * stride_bt_b
-    for t in gl.static_range(NUM_BUFS - 1):
-        _issue_tile(kc_ring, kp_ring, t, start + t * BLOCK_N, end, cache_ptr,
-                    _page_of(bt_row, start + t * BLOCK_N, end, PAGE_SIZE), stride_cache_block, stride_cache_tok,
-                    PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, ld_keys)
-    # Page ids are read one tile ahead of their copies, so no copy waits on a block-table load.
-    page_next = _page_of(bt_row, start + (NUM_BUFS - 1) * BLOCK_N, end, PAGE_SIZE)
+    page = _start_ring(kc_ring, kp_ring, start, end, cache_ptr, bt_row, stride_cache_block, stride_cache_tok, PAGE_SIZE,
+                       BLOCK_N, D_LATENT, D_ROPE, NUM_BUFS, ld_keys)
 
     m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, layout=rows_s)
     # The row sums stay per score element until the end: no reduction across warpgroups per tile.
@@ -223,25 +270,15 @@ def mla_decode_split_kernel_sm90(
     offs_key = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     for i in range(n_tiles):
-        # Tile i has landed for every thread, and every thread is done with tile i - 1: its slot
-        # takes tile i + NUM_BUFS - 1 (past the end: an empty group, so the count stays uniform).
-        async_copy.wait_group(NUM_BUFS - 2)
-        fence_async_shared()
-        gl.thread_barrier()
-        page = page_next
-        page_next = _page_of(bt_row, start + (i + NUM_BUFS) * BLOCK_N, end, PAGE_SIZE)
-        _issue_tile(kc_ring, kp_ring, (i + NUM_BUFS - 1) % NUM_BUFS, start + (i + NUM_BUFS - 1) * BLOCK_N, end,
-                    cache_ptr, page, stride_cache_block, stride_cache_tok, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE,
-                    ld_keys)
+        page = _advance_ring(kc_ring, kp_ring, i, page, start, end, cache_ptr, bt_row, stride_cache_block,
+                             stride_cache_tok, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, NUM_BUFS, ld_keys)
         kc = kc_ring.index(i % NUM_BUFS)
         kp = kp_ring.index(i % NUM_BUFS)
 
         s = warpgroup_mma(qn_smem, kc.permute([1, 0]), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(qp_smem, kp.permute([1, 0]), s, is_async=True)
-        if IS_FP8:  # while Q K^T runs: V = the tile's latent part in fp16 (exact), in column chunks
-            for c in gl.static_range(D_LATENT // V_CHUNK):
-                v_part = kc.slice(c * V_CHUNK, V_CHUNK, dim=1).load(ld_keys)
-                v_smem.slice(c * V_CHUNK, V_CHUNK, dim=1).store(v_part.to(pv_ty))
+        if IS_FP8:  # while Q K^T runs
+            _widen_latent(kc, v_smem, ld_keys, D_LATENT)
             v = v_smem
         else:
             v = kc

@@ -83,8 +83,10 @@ def test_decode_matches_reference(spec, cache_name, num_heads, block_size, num_s
 
 
 @pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())
-def test_decode_deepseek_v3_dims(cache_name):
-    """The real DeepSeek-V3 latent sizes (512 + 64) with 16 heads, two query tokens, splits."""
+@pytest.mark.parametrize("sm90", [False, True], ids=["plan", "sm90_plan"])
+def test_decode_deepseek_v3_dims(cache_name, sm90):
+    """The real DeepSeek-V3 latent sizes (512 + 64) with 16 heads, two query tokens, splits. A plan
+    made for sm_90's kernels runs the Triton kernel anywhere else, with its fp8 query rounding."""
     d_latent, d_rope, num_heads, q_len = 512, 64, 16, 2
     dev, cache_dtype = device(), CACHE_DTYPES[cache_name]
     kv_scale = torch.tensor([0.05], device=dev) if cache_name in FP8_CACHE else None
@@ -96,8 +98,8 @@ def test_decode_deepseek_v3_dims(cache_name):
     q_pe = torch.randn(4, num_heads, d_rope, device=dev, dtype=torch.bfloat16)
     seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32, device=dev)
     scale = 192**-0.5
-    plan = plan_decode(2, num_heads, q_len, 600, num_sms=8)
-    assert plan.num_splits > 1
+    plan = plan_decode(2, num_heads, q_len, 600, num_sms=8, cache_dtype=cache_dtype, sm90=sm90)
+    assert plan.num_splits > 1 and plan.fp8_queries(cache_dtype) == (sm90 and cache_name in FP8_CACHE)
 
     out, lse = mla_decode(q_nope, q_pe, cache, block_table, seq_lens, scale, plan, kv_scale=kv_scale)
 
@@ -265,6 +267,9 @@ def test_plan_bounds_workspace():
     assert plan_decode(8, 128, 1, 1 << 17, num_sms=132).num_splits == 132 // 16
     assert plan_decode(128, 16, 1, 1 << 17, num_sms=132).num_splits == 3 * 132 // 128
     assert plan_decode(8, 16, 1, 1 << 17, num_sms=132, cache_dtype=torch.float8_e4m3fn).num_splits == 132 // 8
+    # sm_90's Gluon kernels: one program per multiprocessor for every row group.
+    assert plan_decode(128, 16, 1, 1 << 17, num_sms=132, sm90=True).num_splits == 1
+    assert plan_decode(8, 16, 2, 1 << 17, num_sms=132, sm90=True).num_splits == 132 // 8
 
 
 @pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())

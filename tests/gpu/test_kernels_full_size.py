@@ -6,12 +6,19 @@
 import pytest
 import torch
 
-from common_kernels.mla import mla_decode, plan_decode, varlen_attention, write_latent_cache
+from common_kernels.mla import mla_decode, plan_decode, sm90_kernels_apply, varlen_attention, write_latent_cache
 from common_kernels.mla.reference import mla_decode_ref, varlen_attention_ref, write_latent_cache_ref
 from tests.common_kernels.test_mla import CACHE_DTYPES, FP8_CACHE, make_paged_cache
 from tests.helpers import assert_close
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def _plan(batch, num_heads, q_len, max_seq_len, cache_dtype=torch.bfloat16):
+    """The plan an engine makes on this GPU (sm_90: for its Gluon kernels)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sm90 = sm90_kernels_apply(torch.device("cuda"), cache_dtype, 64, 512, 64)
+    return plan_decode(batch, num_heads, q_len, max_seq_len, sms, cache_dtype=cache_dtype, sm90=sm90)
 
 
 @pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())
@@ -27,8 +34,7 @@ def test_decode_full_size(cache_name, num_heads, q_len, block_size):
     q_nope = torch.randn(tokens, num_heads, 512, device="cuda", dtype=torch.bfloat16) * 0.1
     q_pe = torch.randn(tokens, num_heads, 64, device="cuda", dtype=torch.bfloat16)
     lens = torch.tensor(seq_lens_list, dtype=torch.int32, device="cuda")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = plan_decode(len(seq_lens_list), num_heads, q_len, max(seq_lens_list), sms, cache_dtype=cache_dtype)
+    plan = _plan(len(seq_lens_list), num_heads, q_len, max(seq_lens_list), cache_dtype)
     out, lse = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale)
     ref, ref_lse = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0,
                                   fp8_queries=plan.fp8_queries(cache_dtype))
@@ -51,8 +57,7 @@ def test_extend_with_fresh_rows_full_size(cache_name, num_heads):
     fresh = torch.randn(tokens, 576, device="cuda", dtype=torch.bfloat16)
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     lens = torch.tensor(seq_lens_list, dtype=torch.int32, device="cuda")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = plan_decode(len(q_lens), num_heads, max(q_lens), max(seq_lens_list), sms, cache_dtype=cache_dtype)
+    plan = _plan(len(q_lens), num_heads, max(q_lens), max(seq_lens_list), cache_dtype)
     out, lse = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale,
                           query_start_loc=starts, fresh_kv=fresh)
     ref, ref_lse = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale, query_start_loc=starts,
@@ -100,19 +105,18 @@ def test_tree_and_ragged_decode_full_size(cache_name):
     seq_lens_list = (3000, 16, 700)
     cache, table = make_paged_cache(seq_lens_list, 64, 576, cache_dtype, 0.02 if kv_scale is not None else 1.0)
     lens = torch.tensor(seq_lens_list, dtype=torch.int32, device="cuda")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     q_nope = torch.randn(48, 128, 512, device="cuda", dtype=torch.bfloat16) * 0.1
     q_pe = torch.randn(48, 128, 64, device="cuda", dtype=torch.bfloat16)
 
     tree = random_tree_masks(3, 16, torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,)))))
-    plan = plan_decode(3, 128, 16, 3000, sms)
+    plan = _plan(3, 128, 16, 3000, cache_dtype)
     out, _ = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale, tree_mask=tree.cuda())
     ref, _ = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0, tree_mask=tree,
                             fp8_queries=plan.fp8_queries(cache_dtype))
     assert_close(out, ref, atol=1e-2, rtol=2e-2, name="tree decode")
 
     starts = torch.tensor([0, 40, 41, 48], dtype=torch.int32, device="cuda")
-    plan = plan_decode(3, 128, 40, 3000, sms)
+    plan = _plan(3, 128, 40, 3000, cache_dtype)
     out, _ = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale, query_start_loc=starts)
     ref, _ = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0, query_start_loc=starts,
                             fp8_queries=plan.fp8_queries(cache_dtype))

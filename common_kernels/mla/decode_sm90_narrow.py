@@ -1,0 +1,232 @@
+"""The MLA decode split kernel for Hopper (sm_90), in Gluon: 16- and 32-row groups, scores transposed.
+
+Same contract, arguments and partial outputs as ``decode._mla_decode_split_kernel`` (the module
+docstring of ``decode`` has the formula), for the launches it takes: ``BLOCK_R`` of 16 or 32
+rows, ``D_latent = 512``, ``D_rope = 64``, a paged cache (bf16/fp16, or fp8 with E4M3 queries,
+``DecodePlan.fp8_queries``; no dense keys). ``decode.mla_decode`` sends those launches here on an
+sm_90 GPU when the plan was made for it (``plan_decode(..., sm90=True)``).
+
+Why: wgmma's M is 64, so the 64-row kernel of ``decode_sm90`` run on 16 rows computes 48 rows of
+padding, and at 16 heads it is bound by that compute, not by the cache read. Here the keys are
+wgmma's M and the query rows its N (one warpgroup, 4 warps):
+
+- ``S^T = K Q^T``: ``[BLOCK_N keys, BLOCK_R rows]``, the cache tile as the left operand straight
+  from shared memory (fp8 tiles too: they are K-major), the queries as the right one;
+- softmax per column in fp32, base 2; the column max reduces across the 4 warps every tile, the
+  column sum once at the end;
+- ``P^T`` goes to shared memory in the ``P V`` operand type;
+- ``O^T = V^T P^T``: ``[D_latent, BLOCK_R]`` fp32, ``V^T`` the tile's latent part read transposed
+  (bf16/fp16), or for fp8 caches widened to fp16 (exact) into a buffer while ``Q K^T`` runs (an
+  fp8 wgmma operand must be K-major);
+- cache tiles: ``cp.async`` per row into a ring of ``NUM_BUFS`` buffers, as in ``decode_sm90``.
+
+Shared memory at ``BLOCK_N = 64``: bf16 queries 18 KiB (32 rows: 36), two tiles 144 KiB;
+fp8 queries 9 KiB, four tiles 144 KiB (32 rows: 18 KiB and three tiles), ``V`` 64 KiB. One
+program per multiprocessor.
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from ..fp8_format import FP8_DTYPES
+from .decode_sm90 import D_LATENT, D_ROPE, _advance_ring, _load_queries, _start_ring, _widen_latent
+
+BLOCK_ROWS = (16, 32)
+BLOCK_N = 64
+NUM_WARPS = 4
+
+
+def num_bufs(keys_dtype: torch.dtype, block_rows: int) -> int:
+    """Ring depth: what fits 227 KiB of shared memory beside the queries (and fp8's widened ``V``)."""
+    if keys_dtype in FP8_DTYPES:
+        return 4 if block_rows == 16 else 3
+    return 2
+
+
+def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, d_latent: int, d_rope: int) -> bool:
+    """Whether this kernel takes a launch of that shape (on an sm_90 GPU)."""
+    return (block_rows in BLOCK_ROWS and keys_dtype in (torch.bfloat16, torch.float16, *FP8_DTYPES) and paged
+            and page_size % BLOCK_N == 0 and (d_latent, d_rope) == (D_LATENT, D_ROPE))
+
+
+@gluon.jit
+def mla_decode_split_kernel_sm90_narrow(
+    q_nope_ptr,
+    q_pe_ptr,
+    cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    kv_scale_ptr,
+    tree_mask_ptr,
+    q_start_ptr,
+    out_ptr,
+    lse_ptr,
+    qk_scale_log2,
+    uniform_q_len,
+    stride_qn_t,
+    stride_qn_h,
+    stride_qp_t,
+    stride_qp_h,
+    stride_cache_block,
+    stride_cache_tok,
+    stride_bt_b,
+    stride_out_t,
+    stride_out_h,
+    stride_out_s,
+    stride_lse_t,
+    stride_lse_h,
+    NUM_HEADS: gl.constexpr,
+    D_LATENT: gl.constexpr,
+    D_ROPE: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    BLOCK_R: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    IS_FP8: gl.constexpr,
+    FP8_QUERIES: gl.constexpr,
+    DIRECT_OUT: gl.constexpr,
+    TREE_MASK: gl.constexpr,
+    VARLEN: gl.constexpr,
+    PREFIX_ONLY: gl.constexpr,
+    KEYS_DENSE: gl.constexpr,
+    NUM_BUFS: gl.constexpr,
+):
+    gl.static_assert(IS_FP8 == FP8_QUERIES and not KEYS_DENSE, "paged caches; fp8 ones with fp8 queries")
+    gl.static_assert((BLOCK_R == 16 or BLOCK_R == 32) and PAGE_SIZE % BLOCK_N == 0 and NUM_BUFS >= 2)
+    gl.static_assert(gl.num_warps() == 4, "one warpgroup")
+    dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
+    key_ty: gl.constexpr = cache_ptr.dtype.element_ty
+    qk_ty: gl.constexpr = gl.float8e4nv if IS_FP8 else dtype
+    pv_ty: gl.constexpr = gl.float16 if IS_FP8 else dtype
+    ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    ld_keys: gl.constexpr = (gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0]) if IS_FP8
+                             else ld_layout)
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_R, 32 if IS_FP8 else 16])
+    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_R, 16])
+    cols_s: gl.constexpr = gl.SliceLayout(0, mma_s)  # per query row (a column of S^T)
+    cols_o: gl.constexpr = gl.SliceLayout(0, mma_o)
+
+    pid_g = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    pid_b = gl.program_id(2).to(gl.int64)
+    num_splits = gl.num_programs(1)
+    if VARLEN:
+        q_start_32 = gl.load(q_start_ptr + pid_b)
+        q_len = gl.load(q_start_ptr + pid_b + 1) - q_start_32
+        q_start = q_start_32.to(gl.int64)
+    else:
+        q_start = pid_b * uniform_q_len
+        q_len = uniform_q_len
+    seq_len = gl.load(seq_lens_ptr + pid_b)
+    draft_start = seq_len - q_len
+    num_keys = draft_start if PREFIX_ONLY else seq_len
+    split_len = gl.cdiv(gl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * split_len
+    end = gl.minimum(start + split_len, num_keys)
+
+    q_nope, q_pe, q_scale = _load_queries(q_nope_ptr, q_pe_ptr, q_start, q_len, pid_g, stride_qn_t, stride_qn_h,
+                                          stride_qp_t, stride_qp_h, NUM_HEADS, D_LATENT, D_ROPE, BLOCK_R, IS_FP8,
+                                          ld_layout)
+    if IS_FP8:
+        kv_scale = gl.load(kv_scale_ptr)
+        score_scale = gl.convert_layout(qk_scale_log2 * kv_scale / q_scale, cols_s)[None, :]
+    else:
+        kv_scale = 1.0
+        score_scale = qk_scale_log2
+    qn_smem = gl.allocate_shared_memory(qk_ty, [BLOCK_R, D_LATENT],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, D_LATENT], qk_ty), q_nope)
+    qp_smem = gl.allocate_shared_memory(qk_ty, [BLOCK_R, D_ROPE],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, D_ROPE], qk_ty), q_pe)
+    kc_ring = gl.allocate_shared_memory(key_ty, [NUM_BUFS, BLOCK_N, D_LATENT],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], key_ty))
+    kp_ring = gl.allocate_shared_memory(key_ty, [NUM_BUFS, BLOCK_N, D_ROPE],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], key_ty))
+    p_smem = gl.allocate_shared_memory(pv_ty, [BLOCK_N, BLOCK_R],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], pv_ty))
+    if IS_FP8:
+        v_smem = gl.allocate_shared_memory(pv_ty, [BLOCK_N, D_LATENT],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], pv_ty))
+
+    # Column (query row) visibility: causal bound, or tree mask bits.
+    row_s = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=cols_s)
+    tok_j = row_s // NUM_HEADS
+    if TREE_MASK:
+        mask_bits = gl.load(tree_mask_ptr + q_start + tok_j, mask=row_s < q_len * NUM_HEADS, other=0)
+    else:
+        visible = draft_start + 1 + tok_j
+
+    bt_row = block_table_ptr + pid_b * stride_bt_b
+    page = _start_ring(kc_ring, kp_ring, start, end, cache_ptr, bt_row, stride_cache_block, stride_cache_tok, PAGE_SIZE,
+                       BLOCK_N, D_LATENT, D_ROPE, NUM_BUFS, ld_keys)
+
+    m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, layout=cols_s)
+    l_tile = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, layout=mma_s)
+    acc = gl.zeros([D_LATENT, BLOCK_R], gl.float32, layout=mma_o)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, layout=mma_s)
+    offs_key = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
+    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    for i in range(n_tiles):
+        page = _advance_ring(kc_ring, kp_ring, i, page, start, end, cache_ptr, bt_row, stride_cache_block,
+                             stride_cache_tok, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, NUM_BUFS, ld_keys)
+        kc = kc_ring.index(i % NUM_BUFS)
+        kp = kp_ring.index(i % NUM_BUFS)
+
+        s = warpgroup_mma(kc, qn_smem.permute([1, 0]), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(kp, qp_smem.permute([1, 0]), s, is_async=True)
+        if IS_FP8:  # while Q K^T runs
+            _widen_latent(kc, v_smem, ld_keys, D_LATENT)
+            v = v_smem
+        else:
+            v = kc
+        s, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, qp_smem, kc, kp])
+
+        offs_n = start + i * BLOCK_N + offs_key
+        if TREE_MASK:
+            draft_k = offs_n - draft_start
+            in_tree = ((mask_bits[None, :] >> gl.maximum(draft_k, 0)[:, None].to(gl.int64)) & 1) != 0
+            seen = (offs_n < end)[:, None] & ((draft_k < 0)[:, None] | in_tree)
+        elif PREFIX_ONLY:
+            seen = (offs_n < end)[:, None]
+        else:
+            seen = (offs_n < end)[:, None] & (offs_n[:, None] < visible[None, :])
+        s = gl.where(seen, s * score_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_shift)
+        p = gl.exp2(s - m_shift[None, :])
+        l_tile = l_tile * alpha[None, :] + p
+        m_i = m_new
+
+        p_smem.store(p.to(pv_ty))
+        fence_async_shared()
+        gl.thread_barrier()  # all of P^T (and V) is written before the warpgroup reads it
+        acc = warpgroup_mma(v.permute([1, 0]), p_smem, acc * gl.convert_layout(alpha, cols_o)[None, :], is_async=True)
+        acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_smem, v])
+    async_copy.wait_group(0)
+
+    l_i = gl.sum(l_tile, axis=0)
+    has_keys = l_i > 0.0
+    safe_l = gl.where(has_keys, l_i, 1.0)
+    lse = gl.where(has_keys, (m_i + gl.log2(safe_l)) * 0.6931471805599453, float("-inf"))  # ln 2
+    out = acc * gl.convert_layout(kv_scale / safe_l, cols_o)[None, :]
+
+    row_o = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=cols_o)
+    out_rows = (q_start + row_o // NUM_HEADS)[None, :] * stride_out_t + (row_o % NUM_HEADS)[None, :] * stride_out_h
+    offs_co = gl.arange(0, D_LATENT, layout=gl.SliceLayout(1, mma_o))
+    out_mask = (row_o < q_len * NUM_HEADS)[None, :]
+    lse_ptrs = lse_ptr + (q_start + tok_j) * stride_lse_t + (row_s % NUM_HEADS) * stride_lse_h
+    lse_mask = row_s < q_len * NUM_HEADS
+    if DIRECT_OUT:
+        gl.store(out_ptr + out_rows + offs_co[:, None], out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        gl.store(lse_ptrs, lse, mask=lse_mask)
+    else:
+        gl.store(out_ptr + out_rows + pid_s * stride_out_s + offs_co[:, None], out, mask=out_mask)
+        gl.store(lse_ptrs + pid_s, lse, mask=lse_mask)
