@@ -6,15 +6,18 @@ Checkpoints: native DeepSeek-V3 FP8 (``weight_scale_inv``) and compressed-tensor
 (``weight_scale``), claimed when the user asks for this method; bf16 checkpoints, whose linear
 layers and routed experts are quantized to 128 x 128 blocks after loading. SGLang's classes load
 the weights and route; the linear GEMM (``w8a8_block_fp8_linear`` swapped) and the routed experts
-(``common_kernels.fp8.fused_moe_fp8``) are latentspeed's. Compressed-tensors MoE layers stay
-SGLang's. DeepSeek's ``kv_b_proj`` is dequantized for weight absorption from the checkpoint's
-scales, as with SGLang's ``fp8``.
+(``common_kernels.fp8.fused_moe_fp8``) are latentspeed's in all three formats; a mixed
+compressed-tensors checkpoint's FP4 experts stay SGLang's. DeepSeek's ``kv_b_proj`` is dequantized
+for weight absorption from the checkpoint's scales, as with SGLang's ``fp8``.
 """
 
 import torch
 from sglang.srt.layers.moe.utils import get_moe_a2a_backend, get_moe_runner_backend
 from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
-from sglang.srt.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A8Fp8
+from sglang.srt.layers.quantization.compressed_tensors.schemes import (
+    CompressedTensorsW8A8Fp8,
+    CompressedTensorsW8A8Fp8MoE,
+)
 from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod, Fp8MoEMethod
 
 from common_kernels.fp8 import (
@@ -65,34 +68,71 @@ class LatentspeedFp8LinearMethod(Fp8LinearMethod):
         super().process_weights_after_loading(layer)
 
 
+def _require_triton_runner(what_else_ok: bool = True) -> None:
+    backend, a2a = get_moe_runner_backend(), get_moe_a2a_backend()
+    if not (backend.is_auto() or backend.is_triton()) or not a2a.is_none() or not what_else_ok:
+        raise ValueError(f"{NAME}: latentspeed's fused MoE needs --moe-runner-backend auto or triton, "
+                         "--moe-a2a-backend none and FP8 (not MXFP8/FP4) experts")
+
+
+def _check_runner_config(layer, config) -> None:
+    unsupported = {
+        "an activation other than SiLU": config.activation != "silu" or not config.is_gated,
+        "routing weights applied to the input": config.apply_router_weight_on_input,
+        "clamped or scaled SwiGLU": any(getattr(config, f, None) is not None
+                                        for f in ("gemm1_alpha", "gemm1_clamp_limit", "swiglu_limit")),
+        "expert biases": getattr(layer, "with_bias", False),
+        "no_combine": config.no_combine,
+    }
+    for what, present in unsupported.items():
+        if present:
+            raise ValueError(f"{NAME}: {getattr(layer, 'prefix', 'MoE layer')}: {what} is not supported by "
+                             "latentspeed's fused MoE")
+
+
+def _check_expert_scales(layer, scale_name: str) -> None:
+    name = f"{NAME}: {getattr(layer, 'prefix', None) or type(layer).__name__}"
+    for w in ("w13", "w2"):
+        scales = getattr(layer, f"{w}_{scale_name}")
+        for e, q in enumerate(getattr(layer, f"{w}_weight")):
+            check_block_scales(f"{name} {w}[{e}]", q, scales[e])
+
+
+def _expert_id_map(layer) -> torch.Tensor | None:
+    """With expert parallelism SGLang hands over local ids, -1 for another rank's experts: the map
+    [0, 1, ..., E - 1, -1] keeps the local ids and sends -1 (its last entry) to -1."""
+    local = torch.arange(-1, layer.w13_weight.shape[0], dtype=torch.int32, device=layer.w13_weight.device)
+    return None if layer.moe_ep_size == 1 else local.roll(-1)
+
+
+def _fused_moe(layer, dispatch_output, config, scale_name: str, id_map):
+    """The routed experts on ``fused_moe_fp8``. SGLang's runner applies ``routed_scaling_factor`` in
+    its own kernels, so this does too."""
+    from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+
+    x = dispatch_output.hidden_states
+    weights, ids, _ = dispatch_output.topk_output
+    scaling = config.routed_scaling_factor
+    if scaling is not None and scaling != 1.0:
+        weights = weights * scaling
+    out = fused_moe_fp8(x, layer.w13_weight, getattr(layer, f"w13_{scale_name}"), layer.w2_weight,
+                        getattr(layer, f"w2_{scale_name}"), weights, ids, stats=fp8_guard(x.device).counters,
+                        expert_map=id_map, check_ids=False)
+    return StandardCombineInput(hidden_states=out)
+
+
 class LatentspeedFp8MoEMethod(Fp8MoEMethod):
     """SGLang's FP8 MoE method with the routed experts on ``fused_moe_fp8``: SGLang loads the
     experts, routes (fused shared experts are ordinary experts here) and reduces; bf16 experts are
-    quantized to 128 x 128 blocks once loaded. SGLang's runner applies ``routed_scaling_factor``
-    in its own kernels, so ``apply`` does too."""
+    quantized to 128 x 128 blocks once loaded."""
 
     def __init__(self, quant_config: Fp8Config):
         super().__init__(quant_config)
-        backend, a2a = get_moe_runner_backend(), get_moe_a2a_backend()
-        if not (backend.is_auto() or backend.is_triton()) or not a2a.is_none() or self.use_mxfp8 \
-                or self.is_fp4_expert or self.is_deepgemm_moe_runner_backend_enabled():
-            raise ValueError(f"{NAME}: latentspeed's fused MoE needs --moe-runner-backend auto or triton, "
-                             "--moe-a2a-backend none and FP8 (not MXFP8/FP4) experts")
+        _require_triton_runner(not (self.use_mxfp8 or self.is_fp4_expert
+                                    or self.is_deepgemm_moe_runner_backend_enabled()))
 
     def create_moe_runner(self, layer, moe_runner_config):
-        config = moe_runner_config
-        unsupported = {
-            "an activation other than SiLU": config.activation != "silu" or not config.is_gated,
-            "routing weights applied to the input": config.apply_router_weight_on_input,
-            "clamped or scaled SwiGLU": any(getattr(config, f, None) is not None
-                                            for f in ("gemm1_alpha", "gemm1_clamp_limit", "swiglu_limit")),
-            "expert biases": getattr(layer, "with_bias", False),
-            "no_combine": config.no_combine,
-        }
-        for what, present in unsupported.items():
-            if present:
-                raise ValueError(f"{NAME}: {getattr(layer, 'prefix', 'MoE layer')}: {what} is not supported by "
-                                 "latentspeed's fused MoE")
+        _check_runner_config(layer, moe_runner_config)
         super().create_moe_runner(layer, moe_runner_config)  # keeps SGLang's runner config
 
     def process_weights_after_loading(self, layer) -> None:
@@ -107,28 +147,34 @@ class LatentspeedFp8MoEMethod(Fp8MoEMethod):
                                                                            requires_grad=False))
             self.block_quant, self.weight_block_size = True, BLOCK
         else:
-            for w in ("w13", "w2"):
-                scales = getattr(layer, f"{w}_weight_scale_inv")
-                for e, q in enumerate(getattr(layer, f"{w}_weight")):
-                    check_block_scales(f"{name} {w}[{e}]", q, scales[e])
+            _check_expert_scales(layer, "weight_scale_inv")
             super().process_weights_after_loading(layer)
-        # With expert parallelism SGLang hands over local ids, -1 for another rank's experts: the map
-        # [0, 1, ..., E - 1, -1] keeps the local ids and sends -1 (its last entry) to -1.
-        local = torch.arange(-1, layer.w13_weight.shape[0], dtype=torch.int32, device=layer.w13_weight.device)
-        self.id_map = None if layer.moe_ep_size == 1 else local.roll(-1)
+        self.id_map = _expert_id_map(layer)
 
     def apply(self, layer, dispatch_output):
-        from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+        return _fused_moe(layer, dispatch_output, self.moe_runner_config, "weight_scale_inv", self.id_map)
 
-        x = dispatch_output.hidden_states
-        weights, ids, _ = dispatch_output.topk_output
-        scaling = self.moe_runner_config.routed_scaling_factor
-        if scaling is not None and scaling != 1.0:
-            weights = weights * scaling
-        out = fused_moe_fp8(x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight,
-                            layer.w2_weight_scale_inv, weights, ids, stats=fp8_guard(x.device).counters,
-                            expert_map=self.id_map, check_ids=False)
-        return StandardCombineInput(hidden_states=out)
+
+class LatentspeedCTW8A8Fp8MoE(CompressedTensorsW8A8Fp8MoE):
+    """compressed-tensors FP8 block experts (``w13_weight_scale`` / ``w2_weight_scale``) on
+    ``fused_moe_fp8``."""
+
+    def __init__(self, weight_quant, input_quant):
+        super().__init__(weight_quant, input_quant)
+        check_checkpoint_scheme(NAME, True, "static" if self.static_input_scales else "dynamic",
+                                self.weight_block_size)
+        _require_triton_runner()
+
+    def create_moe_runner(self, layer, moe_runner_config):
+        _check_runner_config(layer, moe_runner_config)
+        self.moe_runner_config = moe_runner_config
+
+    def process_weights_after_loading(self, layer) -> None:
+        _check_expert_scales(layer, "weight_scale")
+        self.id_map = _expert_id_map(layer)
+
+    def apply_weights(self, layer, dispatch_output):
+        return _fused_moe(layer, dispatch_output, self.moe_runner_config, "weight_scale", self.id_map)
 
 
 class LatentspeedCTW8A8Fp8(CompressedTensorsW8A8Fp8):
@@ -161,6 +207,15 @@ class LatentspeedCTConfig(CompressedTensorsConfig):
         if len(blocks) > 1:
             raise ValueError(f"{NAME}: the checkpoint mixes weight blocks {sorted(blocks)}; one block size is supported")
         return list(blocks.pop()) if blocks else None
+
+    def get_moe_scheme(self, layer, layer_name=None):
+        scheme = super().get_moe_scheme(layer, layer_name)
+        if type(scheme) is not CompressedTensorsW8A8Fp8MoE:  # ignored, or a mixed checkpoint's FP4 experts
+            return scheme
+        if not scheme.block_quant:
+            raise ValueError(f"{NAME}: the experts of {layer_name} are quantized as FP8 per tensor or channel in "
+                             "this checkpoint; only FP8 in 128 x 128 blocks is supported")
+        return LatentspeedCTW8A8Fp8MoE(scheme.weight_quant, scheme.input_quant)
 
     def _get_scheme_from_parts(self, weight_quant, input_quant, *args, **kwargs):
         scheme = super()._get_scheme_from_parts(weight_quant, input_quant, *args, **kwargs)

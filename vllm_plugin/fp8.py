@@ -11,9 +11,11 @@ Checkpoints it loads:
 - bf16/fp16, quantized to 128 x 128 blocks while loading (latentspeed's quantizer).
 
 vLLM's own classes load and shard the weights; the linear layers' GEMM is ours
-(``LatentspeedBlockFp8Kernel``) and so are the routed experts of the DeepSeek-V3 FP8 and bf16
-checkpoints (``common_kernels.fp8.fused_moe_fp8``, behind vLLM's router, shared experts,
-expert map and reductions). Compressed-tensors MoE layers and KV-cache scales stay vLLM's.
+(``LatentspeedBlockFp8Kernel``) and so are the routed experts in all three formats
+(``common_kernels.fp8.fused_moe_fp8``, behind vLLM's router, shared experts, expert map and
+reductions); a mixed compressed-tensors checkpoint's FP4 experts stay vLLM's. KV-cache scales stay
+vLLM's too: its kv-cache method loads ``k_scale``/``v_scale``, which latentspeed's attention
+backend reads.
 Weights keep vLLM's plain ``weight [N, K]`` / ``weight_scale_inv`` layout, so MLA's
 ``kv_b_proj`` is dequantized exactly for weight absorption.
 """
@@ -27,6 +29,9 @@ from vllm.model_executor.layers.linear import LinearBase, register_weight_loader
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
     CompressedTensorsConfig,
     CompressedTensorsLinearMethod,
+)
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+    compressed_tensors_moe_w8a8_fp8 as ct_moe_fp8,
 )
 from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A8Fp8
 from vllm.model_executor.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod, Fp8MoEMethod
@@ -163,7 +168,8 @@ class LatentspeedOnlineFp8LinearMethod(Fp8PerBlockOnlineLinearMethod):
 class _LatentspeedMoE:
     """vLLM's block-FP8 MoE method with the routed experts computed by ``fused_moe_fp8``: vLLM
     loads (and, for bf16 checkpoints, quantizes) the experts, routes, runs the shared experts,
-    applies ``routed_scaling_factor`` and reduces; ``apply`` returns the routed sum only."""
+    applies ``routed_scaling_factor`` and reduces; ``apply`` returns the routed sum only. The
+    block scales keep the checkpoint's name, ``w13_`` / ``w2_`` + ``weight_scale_name``."""
 
     @property
     def is_monolithic(self) -> bool:  # vLLM routes, then calls apply
@@ -189,15 +195,15 @@ class _LatentspeedMoE:
                 check_block_scales(f"{name} {w}[{e}]", weights[e], scales[e])
         replace_parameter(layer, "w13_weight", w13)
         replace_parameter(layer, "w2_weight", w2)
-        replace_parameter(layer, "w13_weight_scale_inv", w13_scale)
-        replace_parameter(layer, "w2_weight_scale_inv", w2_scale)
+        replace_parameter(layer, f"w13_{self.weight_scale_name}", w13_scale)
+        replace_parameter(layer, f"w2_{self.weight_scale_name}", w2_scale)
         self.moe_quant_config = self.get_fused_moe_quant_config(layer)
         self.moe_kernel = None
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-        return fused_moe_fp8(x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight,
-                             layer.w2_weight_scale_inv, topk_weights, topk_ids, stats=fp8_guard(x.device).counters,
-                             expert_map=layer.expert_map, check_ids=False)
+        w13_scale, w2_scale = (getattr(layer, f"{w}_{self.weight_scale_name}") for w in ("w13", "w2"))
+        return fused_moe_fp8(x, layer.w13_weight, w13_scale, layer.w2_weight, w2_scale, topk_weights, topk_ids,
+                             stats=fp8_guard(x.device).counters, expert_map=layer.expert_map, check_ids=False)
 
 
 class LatentspeedFp8MoEMethod(_LatentspeedMoE, Fp8MoEMethod):
@@ -208,16 +214,28 @@ class LatentspeedOnlineFp8MoEMethod(_LatentspeedMoE, Fp8PerBlockOnlineMoEMethod)
     """bf16/fp16 experts quantized to 128 x 128 blocks by vLLM once loaded."""
 
 
+class LatentspeedCTFp8MoEMethod(_LatentspeedMoE, ct_moe_fp8.CompressedTensorsW8A8Fp8MoEMethod):
+    """compressed-tensors FP8 block experts (``w13_weight_scale`` / ``w2_weight_scale``)."""
+
+    weight_scale_name = "weight_scale"
+
+    def process_weights_after_loading(self, layer) -> None:
+        self._setup_kernel(layer, layer.w13_weight, layer.w2_weight, layer.w13_weight_scale, layer.w2_weight_scale,
+                           layer.w13_input_scale, layer.w2_input_scale)
+
+
 class LatentspeedCTConfig(CompressedTensorsConfig):
     """compressed-tensors checkpoints under ``--quantization latentspeed_fp8``: vLLM's loader and
-    scheme selection (ignore lists, MoE, KV-cache scales), with the FP8 block linear layers on
-    latentspeed's GEMM."""
+    scheme selection (ignore lists, KV-cache scales), with the FP8 block linear layers on
+    latentspeed's GEMM and the FP8 block experts on its fused MoE."""
 
     def get_name(self) -> str:
         return NAME
 
     def get_quant_method(self, layer, prefix):
         method = super().get_quant_method(layer, prefix)
+        if isinstance(layer, RoutedExperts):
+            return self._moe_method(method, layer, prefix)
         scheme = getattr(layer, "scheme", None)
         if type(method) is not CompressedTensorsLinearMethod:
             return method
@@ -229,6 +247,19 @@ class LatentspeedCTConfig(CompressedTensorsConfig):
                                 scheme.weight_block_size)
         block_config = LatentspeedFp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=BLOCK)
         return LatentspeedFp8LinearMethod(block_config, scale_name="weight_scale")
+
+    @staticmethod
+    def _moe_method(method, layer, prefix):
+        """FP8 block experts on latentspeed's fused MoE; FP8 per tensor or channel refused, as for
+        linear layers; other schemes (a mixed checkpoint's FP4 experts) and ignored layers stay vLLM's."""
+        if type(method) is not ct_moe_fp8.CompressedTensorsW8A8Fp8MoEMethod:
+            return method
+        if not method.block_quant:
+            raise ValueError(f"{NAME}: the experts of {prefix} are quantized as FP8 per tensor or channel in this "
+                             "checkpoint; only FP8 in 128 x 128 blocks is supported")
+        check_checkpoint_scheme(f"{NAME}: {prefix}", True, "dynamic" if method.input_quant.dynamic else "static",
+                                method.weight_block_size)
+        return LatentspeedCTFp8MoEMethod(method.weight_quant, method.input_quant, layer.moe_config)
 
 
 class LatentspeedFp8Config(Fp8Config):

@@ -3,6 +3,7 @@ CPU, called as the layer calls it after routing (SGLang's top-k is a CUDA op); t
 under Triton's interpreter against the reference. SGLang's MoE layer reads the published server
 arguments, so this module publishes some for the tiny DeepSeek-V3 (role "test")."""
 
+import copy
 import json
 
 import pytest
@@ -19,20 +20,24 @@ from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 import sglang_plugin  # noqa: E402
 from common_kernels.fp8.reference import fused_moe_fp8_ref, quantize_weight_blocks_ref  # noqa: E402
-from sglang_plugin.fp8 import LatentspeedFp8Config, LatentspeedFp8MoEMethod  # noqa: E402
+from sglang_plugin.fp8 import LatentspeedCTW8A8Fp8MoE, LatentspeedFp8Config, LatentspeedFp8MoEMethod  # noqa: E402
 from tests.helpers import assert_close  # noqa: E402
-from tests.sglang_plugin.test_fp8_method import TINY_DEEPSEEK_V3  # noqa: E402
+from tests.sglang_plugin.test_fp8_method import CT_FP8_BLOCK, TINY_DEEPSEEK_V3  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, INTER = 4, 2, 256, 128
 SHAPES = {"w1": (INTER, HIDDEN), "w3": (INTER, HIDDEN), "w2": (HIDDEN, INTER)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def server_args(tmp_path_factory):
-    model = tmp_path_factory.mktemp("tiny-dsv3")
+def publish_tiny_deepseek(model) -> None:
+    """Publish server arguments for the tiny DeepSeek-V3 (written to ``model``), as SGLang's MoE layer reads them."""
     (model / "config.json").write_text(json.dumps(TINY_DEEPSEEK_V3))
     runtime_context.publish(ServerArgs(model_path=str(model), skip_tokenizer_init=True, device="cpu"), role="test")
     sglang_plugin.register()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def server_args(tmp_path_factory):
+    publish_tiny_deepseek(tmp_path_factory.mktemp("tiny-dsv3"))
 
 
 def moe_layer(quant_config, scaling=1.0, **kwargs):
@@ -46,14 +51,16 @@ def single_rank():
     return get_parallel().override(tp_size=1, tp_rank=0, moe_ep_size=1, moe_ep_rank=0, moe_tp_size=1, moe_tp_rank=0)
 
 
-def load_experts(layer, weights, scales=None):
-    """Each expert's gate (w1), up (w3) and down (w2) through SGLang's MoE weight loader."""
+def load_experts(layer, weights, scales=None, scale_suffix="_scale_inv"):
+    """Each expert's gate (w1), up (w3) and down (w2) through SGLang's MoE weight loader; the
+    scales under ``w13_weight`` / ``w2_weight`` + ``scale_suffix``."""
     for e, per_shard in enumerate(weights):
         for shard, w in per_shard.items():
             name = f"{'w2' if shard == 'w2' else 'w13'}_weight"
             layer.weight_loader(getattr(layer, name), w, name, shard, e)
             if scales is not None:
-                layer.weight_loader(getattr(layer, f"{name}_scale_inv"), scales[e][shard], f"{name}_scale_inv", shard, e)
+                scale = name + scale_suffix
+                layer.weight_loader(getattr(layer, scale), scales[e][shard], scale, shard, e)
     layer.quant_method.process_weights_after_loading(layer)
 
 
@@ -86,6 +93,38 @@ def test_deepseek_fp8_experts_run_on_latentspeeds_fused_moe(tokens):
     expected = fused_moe_fp8_ref(x, w13, s13, w2, s2, weights * 2.5, ids)  # SGLang's runner scales in the MoE
     assert out.shape == x.shape and out.dtype == torch.bfloat16
     assert_close(out, expected, atol=2e-2, rtol=2e-2, name="moe out")
+
+
+def test_compressed_tensors_experts_run_on_latentspeeds_fused_moe():
+    layer = moe_layer(LatentspeedFp8Config.from_config(copy.deepcopy(CT_FP8_BLOCK)), scaling=2.5)
+    assert type(layer.scheme) is LatentspeedCTW8A8Fp8MoE
+    blocks = [{k: quantize_weight_blocks_ref(torch.randn(*s) * 0.05) for k, s in SHAPES.items()} for _ in range(EXPERTS)]
+    load_experts(layer, [{k: q for k, (q, _) in b.items()} for b in blocks],
+                 [{k: s for k, (_, s) in b.items()} for b in blocks], scale_suffix="_scale")
+    x = torch.randn(11, HIDDEN, dtype=torch.bfloat16)
+    weights, ids = routing(11)
+
+    out = apply(layer, x, weights, ids)
+
+    w13 = torch.stack([torch.cat([b["w1"][0], b["w3"][0]]) for b in blocks])
+    s13 = torch.stack([torch.cat([b["w1"][1], b["w3"][1]]) for b in blocks])
+    w2, s2 = torch.stack([b["w2"][0] for b in blocks]), torch.stack([b["w2"][1] for b in blocks])
+    assert_close(out, fused_moe_fp8_ref(x, w13, s13, w2, s2, weights * 2.5, ids), atol=2e-2, rtol=2e-2,
+                 name="moe out")
+
+
+def test_compressed_tensors_experts_with_bad_scales_or_other_schemes_are_named():
+    layer = moe_layer(LatentspeedFp8Config.from_config(copy.deepcopy(CT_FP8_BLOCK)))
+    blocks = [{k: quantize_weight_blocks_ref(torch.randn(*s) * 0.05) for k, s in SHAPES.items()} for _ in range(EXPERTS)]
+    blocks[0]["w2"][1][1, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"latentspeed_fp8: .*w2\[0\].*not finite and positive"):
+        load_experts(layer, [{k: q for k, (q, _) in b.items()} for b in blocks],
+                     [{k: s for k, (_, s) in b.items()} for b in blocks], scale_suffix="_scale")
+    per_channel = copy.deepcopy(CT_FP8_BLOCK)
+    per_channel["config_groups"]["group_0"]["weights"].update(strategy="channel", block_structure=None)
+    per_channel["config_groups"]["group_0"]["input_activations"].update(strategy="token", group_size=None)
+    with pytest.raises(ValueError, match=r"experts of model.layers.1.mlp.experts are quantized as FP8 per tensor"):
+        moe_layer(LatentspeedFp8Config.from_config(per_channel))
 
 
 def test_bf16_experts_are_quantized_after_loading():

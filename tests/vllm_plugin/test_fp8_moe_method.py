@@ -2,13 +2,22 @@
 called as vLLM's MoE runner calls it after routing (the router's top-k is a CUDA op); the fused
 MoE runs under Triton's interpreter against the reference."""
 
+import json
+
 import pytest
 import torch
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 
 from common_kernels.fp8.reference import fused_moe_fp8_ref, quantize_weight_blocks_ref
 from tests.helpers import assert_close
-from vllm_plugin.fp8 import LatentspeedFp8Config, LatentspeedFp8MoEMethod, LatentspeedOnlineFp8MoEMethod
+from tests.vllm_plugin.test_fp8_method import CT_FP8_BLOCK
+from vllm_plugin.fp8 import (
+    LatentspeedCTConfig,
+    LatentspeedCTFp8MoEMethod,
+    LatentspeedFp8Config,
+    LatentspeedFp8MoEMethod,
+    LatentspeedOnlineFp8MoEMethod,
+)
 
 EXPERTS, TOP_K, HIDDEN, INTER = 4, 2, 256, 128
 
@@ -19,14 +28,15 @@ def moe_layer(quant_config, **kwargs):
                     renormalize=True, **kwargs)
 
 
-def load_experts(runner, weights, scales=None):
+def load_experts(runner, weights, scales=None, scale_suffix="_scale_inv"):
     """Each expert's gate (w1), up (w3) and down (w2) through the parameters' own weight loaders
-    (for bf16 checkpoints vLLM's online loading, which quantizes once the last expert arrives)."""
+    (for bf16 checkpoints vLLM's online loading, which quantizes once the last expert arrives);
+    the scales under ``w13_weight`` / ``w2_weight`` + ``scale_suffix``."""
     experts = runner.routed_experts
     for e, per_shard in enumerate(weights):
         for shard, w in per_shard.items():
             names = [f"{'w2' if shard == 'w2' else 'w13'}_weight"]
-            names += [f"{names[0]}_scale_inv"] if scales is not None else []
+            names += [f"{names[0]}{scale_suffix}"] if scales is not None else []
             for name, value in zip(names, (w, scales[e][shard] if scales is not None else None)):
                 param = getattr(experts, name)
                 param.weight_loader(param, value, name, shard, e)
@@ -69,6 +79,36 @@ def test_deepseek_fp8_experts_run_on_latentspeeds_fused_moe(tp_group, tokens):
     expected = fused_moe_fp8_ref(x, *stacked(blocks), *topk)
     assert out.shape == x.shape and out.dtype == torch.bfloat16
     assert_close(out, expected, atol=2e-2, rtol=2e-2, name="moe out")
+
+
+def test_compressed_tensors_experts_run_on_latentspeeds_fused_moe(tp_group):
+    runner = moe_layer(LatentspeedCTConfig.from_config(CT_FP8_BLOCK))
+    assert type(runner.routed_experts.quant_method) is LatentspeedCTFp8MoEMethod
+    shapes = {"w1": (INTER, HIDDEN), "w3": (INTER, HIDDEN), "w2": (HIDDEN, INTER)}
+    blocks = [{k: quantize_weight_blocks_ref(torch.randn(*s) * 0.05) for k, s in shapes.items()} for _ in range(EXPERTS)]
+    load_experts(runner, [{k: q for k, (q, _) in b.items()} for b in blocks],
+                 [{k: s for k, (_, s) in b.items()} for b in blocks], scale_suffix="_scale")
+    x = torch.randn(9, HIDDEN, dtype=torch.bfloat16)
+    topk = routing(9)
+
+    out = apply(runner, x, *topk)
+
+    assert_close(out, fused_moe_fp8_ref(x, *stacked(blocks), *topk), atol=2e-2, rtol=2e-2, name="moe out")
+
+
+def test_compressed_tensors_experts_with_bad_scales_or_other_schemes_are_named(tp_group):
+    runner = moe_layer(LatentspeedCTConfig.from_config(CT_FP8_BLOCK))
+    shapes = {"w1": (INTER, HIDDEN), "w3": (INTER, HIDDEN), "w2": (HIDDEN, INTER)}
+    blocks = [{k: quantize_weight_blocks_ref(torch.randn(*s) * 0.05) for k, s in shapes.items()} for _ in range(EXPERTS)]
+    blocks[1]["w1"][1][0, 1] = 0.0
+    with pytest.raises(ValueError, match=r"w13\[1\].*not finite and positive"):
+        load_experts(runner, [{k: q for k, (q, _) in b.items()} for b in blocks],
+                     [{k: s for k, (_, s) in b.items()} for b in blocks], scale_suffix="_scale")
+    per_channel = json.loads(json.dumps(CT_FP8_BLOCK))
+    per_channel["config_groups"]["group_0"]["weights"].update(strategy="channel", block_structure=None)
+    per_channel["config_groups"]["group_0"]["input_activations"].update(strategy="token", group_size=None)
+    with pytest.raises(ValueError, match=r"experts of model.layers.1.mlp.experts are quantized as FP8 per tensor"):
+        moe_layer(LatentspeedCTConfig.from_config(per_channel))
 
 
 def test_bf16_experts_are_quantized_at_load_and_run_on_latentspeeds_fused_moe(tp_group):

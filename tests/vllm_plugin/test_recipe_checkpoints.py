@@ -93,3 +93,67 @@ def test_fp8_block_checkpoint_runs_under_latentspeed_fp8(tp_group, checkpoint):
     a, a_scale = quantize_per_token_group_ref(x)
     assert_close(layer(x)[0], block_scaled_gemm_ref(a, a_scale, weight, scale.float()), atol=2e-2, rtol=1e-2,
                  name="o_proj out")
+
+
+@pytest.mark.parametrize("checkpoint", FP8_BLOCK, ids=lambda p: p.name)
+def test_fp8_block_checkpoint_experts_run_on_latentspeeds_fused_moe(tp_group, checkpoint):
+    """Layer 1's routed experts, as llm-compressor wrote them, through vLLM's MoE weight loader
+    into latentspeed's fused MoE."""
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+
+    from common_kernels.fp8.reference import fused_moe_fp8_ref
+    from tests.helpers import assert_close
+    from vllm_plugin.fp8 import LatentspeedCTConfig, LatentspeedCTFp8MoEMethod
+
+    config = LatentspeedCTConfig.from_config(json.loads((checkpoint / "config.json").read_text())["quantization_config"])
+    model = json.loads((checkpoint / "config.json").read_text())
+    experts = next(model[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if k in model)
+    top_k = model["num_experts_per_tok"]
+    prefix = "model.layers.1.mlp.experts"
+    runner = FusedMoE(num_experts=experts, top_k=top_k, hidden_size=model["hidden_size"],
+                      intermediate_size=model["moe_intermediate_size"], params_dtype=torch.bfloat16,
+                      quant_config=config, prefix=prefix, renormalize=True)
+    layer = runner.routed_experts
+    assert type(layer.quant_method) is LatentspeedCTFp8MoEMethod
+    stored = {}
+    with safe_open(checkpoint / "model.safetensors", "pt") as f:
+        for e in range(experts):
+            for shard, proj in {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.items():
+                for kind in ("weight", "weight_scale"):
+                    value = stored[e, shard, kind] = f.get_tensor(f"{prefix}.{e}.{proj}.{kind}")
+                    name = f"{'w2' if shard == 'w2' else 'w13'}_{kind}"
+                    getattr(layer, name).weight_loader(getattr(layer, name), value, name, shard, e)
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(7, model["hidden_size"], dtype=torch.bfloat16)
+    weights, ids = torch.softmax(torch.randn(7, experts), -1).topk(top_k, dim=-1)
+
+    out = layer.quant_method.apply(layer, x, weights, ids.to(torch.int32), shared_experts=None,
+                                   shared_experts_input=None)
+
+    w13 = torch.stack([torch.cat([stored[e, "w1", "weight"], stored[e, "w3", "weight"]]) for e in range(experts)])
+    s13 = torch.stack([torch.cat([stored[e, "w1", "weight_scale"], stored[e, "w3", "weight_scale"]])
+                       for e in range(experts)]).float()
+    w2 = torch.stack([stored[e, "w2", "weight"] for e in range(experts)])
+    s2 = torch.stack([stored[e, "w2", "weight_scale"] for e in range(experts)]).float()
+    assert_close(out, fused_moe_fp8_ref(x, w13, s13, w2, s2, weights, ids), atol=2e-2, rtol=2e-2, name="experts out")
+
+
+MIXED = [p for p in CHECKPOINTS if json.loads((p / "latentspeed_report.json").read_text())["recipe"] == "mixed"]
+
+
+@pytest.mark.parametrize("checkpoint", MIXED, ids=lambda p: p.name)
+def test_mixed_checkpoint_keeps_its_fp4_experts_on_vllms_method(tp_group, checkpoint):
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    from vllm_plugin.fp8 import LatentspeedCTConfig, LatentspeedFp8LinearMethod
+
+    model = json.loads((checkpoint / "config.json").read_text())
+    config = LatentspeedCTConfig.from_config(model["quantization_config"])
+    attention = RowParallelLinear(256, 256, bias=False, quant_config=config, prefix="model.layers.1.self_attn.o_proj")
+    assert type(attention.quant_method) is LatentspeedFp8LinearMethod
+    experts = next(model[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if k in model)
+    runner = FusedMoE(num_experts=experts, top_k=model["num_experts_per_tok"], hidden_size=model["hidden_size"],
+                      intermediate_size=model["moe_intermediate_size"], params_dtype=torch.bfloat16,
+                      quant_config=config, prefix="model.layers.1.mlp.experts", renormalize=True)
+    assert type(runner.routed_experts.quant_method).__name__ == "CompressedTensorsW4A4Nvfp4MoEMethod"
