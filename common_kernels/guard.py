@@ -2,8 +2,9 @@
 
 Quantizing kernels add, on the device and inside CUDA graphs, the number of values they
 clamped at the fp8 maximum (``counters[0]``) and of non-finite inputs (``counters[1]``) to one
-per-device counter pair. The host reads the pair every ``check_every`` steps, outside graph
-capture, and acts by ``LATENTSPEED_FP8_GUARD``:
+per-device counter pair. The engine adapters count steps (``Fp8Guard.step`` or ``step_all``, once
+per forward pass); the host reads the pair every ``check_every`` steps, outside graph capture, and
+acts by ``LATENTSPEED_FP8_GUARD``:
 
 - ``warn`` (default): log once for each new batch of clamped or non-finite values;
 - ``raise``: raise ``Fp8NumericsError``, which stops the engine instead of serving garbage;
@@ -73,3 +74,9 @@ def fp8_guard(device: torch.device | str) -> Fp8Guard:
     if device not in _GUARDS:
         _GUARDS[device] = Fp8Guard(device)
     return _GUARDS[device]
+
+
+def step_all() -> None:
+    """One step for every guard of this process: an engine hook calls this once per forward pass."""
+    for guard in list(_GUARDS.values()):
+        guard.step()

@@ -5,11 +5,14 @@ before parsing arguments and again in every scheduler process. It adds ``latents
 the ``--attention-backend`` choices (also ``--decode-attention-backend`` /
 ``--prefill-attention-backend``) and to the backends that take MHA over chunks of a cached
 prefix, registers the backend factory, and adds the quantization
-method ``latentspeed_fp8`` (``sglang_plugin/fp8.py``). The DeepSeek tables are
-filled when the factory first runs, in the scheduler, so the launcher never imports models.
+method ``latentspeed_fp8`` (``sglang_plugin/fp8.py``), and hooks ``ModelRunner.forward`` (through
+SGLang's ``HookRegistry``) so the fp8 guard counts every forward pass, whichever attention backend
+runs. The DeepSeek tables are filled when the factory first runs, in the scheduler, so the
+launcher never imports models.
 """
 
 BACKEND_NAME = "latentspeed"
+FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 _registered = False
 
 
@@ -37,7 +40,18 @@ def register() -> None:
     from .fp8 import register_quantization
 
     register_quantization()
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(FORWARD_TARGET, after_forward, HookType.AFTER)
     _registered = True
+
+
+def after_forward(result, *args, **kwargs) -> None:
+    """After each forward pass: a step for the fp8 guards (cache writes and ``latentspeed_fp8``'s
+    quantizers), which read their counters every 256 steps; the result is left as it is."""
+    from common_kernels.guard import step_all
+
+    step_all()
 
 
 def create_backend(runner):

@@ -157,12 +157,7 @@ class LatentspeedMLABackend(AttentionBackend):
         return ForwardMetadata(page_table, seq_lens, plan, query_start_loc=starts[0], kv_start_loc=starts[1],
                                max_extend_len=max_extend)
 
-    def _step_guard(self) -> None:
-        if self.guard is not None:
-            self.guard.step()
-
     def init_forward_metadata(self, forward_batch):
-        self._step_guard()
         seq_lens_cpu = forward_batch.seq_lens_cpu
         max_seq_len = int(seq_lens_cpu.max()) if seq_lens_cpu is not None and len(seq_lens_cpu) else self.max_context_len
         self.forward_metadata = self._metadata(forward_batch, max_seq_len)
@@ -180,7 +175,6 @@ class LatentspeedMLABackend(AttentionBackend):
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         """Refill the static buffers the captured kernels read; the plan is fixed per batch size
         (split count for the longest context), so it stays right for any replayed length."""
-        self._step_guard()
         fresh = self._metadata(forward_batch, self.max_context_len)
         batch = forward_batch.batch_size
         self.graph_page_table[:batch, : fresh.page_table.shape[1]].copy_(fresh.page_table)

@@ -59,6 +59,42 @@ def test_plugin_loads_in_a_spawned_child_process():
     assert registered and choice and chunked_prefix
 
 
+def _forward_in_child(queue):
+    """A scheduler process whose model forward pass is a CPU stand-in: the hook that load_plugins
+    applies around ModelRunner.forward steps latentspeed's fp8 guards after every pass."""
+    import os
+
+    os.environ["LATENTSPEED_FP8_GUARD"] = "raise"
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.plugins import load_plugins
+
+    from common_kernels.guard import Fp8NumericsError, fp8_guard
+
+    ModelRunner.forward = lambda self, batch: "logits"  # stands in for the GPU pass the hook wraps
+    load_plugins()
+    guard = fp8_guard("cpu")
+    guard.check_every = 2
+    outputs = [ModelRunner.forward(None, None)]
+    guard.counters[1] += 1  # one non-finite activation, as a quantizer counts it
+    try:
+        outputs.append(ModelRunner.forward(None, None))
+    except Fp8NumericsError as error:
+        outputs.append(str(error))
+    queue.put(outputs)
+
+
+def test_fp8_guard_is_stepped_after_every_forward_pass_whatever_the_backend():
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_forward_in_child, args=(queue,))
+    child.start()
+    outputs = queue.get(timeout=300)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert outputs[0] == "logits"
+    assert "0 values clamped at the fp8 maximum and 1 non-finite" in outputs[1]
+
+
 @pytest.mark.parametrize("flag", ["--attention-backend", "--decode-attention-backend", "--prefill-attention-backend"])
 def test_cli_accepts_the_backend_name(flag):
     parser = argparse.ArgumentParser()
