@@ -29,11 +29,29 @@ from common_kernels.fp8 import (
     claims_checkpoint,
     fused_moe_fp8,
     quantize_linear_weight,
+    refuse_mismatched_dtypes,
 )
 from common_kernels.guard import fp8_guard
 
 NAME = "latentspeed_fp8"
 BLOCK = [SCALE_BLOCK, SCALE_BLOCK]
+
+
+def _name(layer) -> str:
+    """How errors name a layer: the method, then the layer's prefix (``_remember_prefix``)."""
+    return f"{NAME}: {getattr(layer, 'prefix', None) or type(layer).__name__}"
+
+
+def _remember_prefix(layer, prefix: str) -> None:
+    """Most of SGLang's layers do not keep their prefix; errors about their checkpoint tensors need it."""
+    if prefix and not getattr(layer, "prefix", None):
+        layer.prefix = prefix
+
+
+def _refuse_mismatched_expert_dtypes(layer, scale_name: str) -> None:
+    for w in ("w13", "w2"):
+        refuse_mismatched_dtypes(lambda w=w: f"{_name(layer)} {w}", getattr(layer, f"{w}_weight"),
+                                 getattr(layer, f"{w}_{scale_name}", None))
 
 
 def block_linear(input, weight, block_size, weight_scale, input_scale=None, bias=None):
@@ -56,8 +74,12 @@ class LatentspeedFp8LinearMethod(Fp8LinearMethod):
         self.use_marlin = False
         self.w8a8_block_fp8_linear = block_linear
 
+    def create_weights(self, layer, *args, **kwargs):
+        super().create_weights(layer, *args, **kwargs)
+        refuse_mismatched_dtypes(lambda: _name(layer), layer.weight, getattr(layer, "weight_scale_inv", None))
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        name = f"{NAME}: {getattr(layer, 'prefix', None) or type(layer).__name__}"
+        name = _name(layer)
         if not self.block_quant:  # a bf16 checkpoint
             weight, scale = quantize_linear_weight(name, layer.weight.data)
             layer.weight = torch.nn.Parameter(weight, requires_grad=False)
@@ -91,7 +113,7 @@ def _check_runner_config(layer, config) -> None:
 
 
 def _check_expert_scales(layer, scale_name: str) -> None:
-    name = f"{NAME}: {getattr(layer, 'prefix', None) or type(layer).__name__}"
+    name = _name(layer)
     for w in ("w13", "w2"):
         scales = getattr(layer, f"{w}_{scale_name}")
         for e, q in enumerate(getattr(layer, f"{w}_weight")):
@@ -131,12 +153,16 @@ class LatentspeedFp8MoEMethod(Fp8MoEMethod):
         _require_triton_runner(not (self.use_mxfp8 or self.is_fp4_expert
                                     or self.is_deepgemm_moe_runner_backend_enabled()))
 
+    def create_weights(self, layer, *args, **kwargs):
+        super().create_weights(layer, *args, **kwargs)
+        _refuse_mismatched_expert_dtypes(layer, "weight_scale_inv")
+
     def create_moe_runner(self, layer, moe_runner_config):
         _check_runner_config(layer, moe_runner_config)
         super().create_moe_runner(layer, moe_runner_config)  # keeps SGLang's runner config
 
     def process_weights_after_loading(self, layer) -> None:
-        name = f"{NAME}: {getattr(layer, 'prefix', None) or type(layer).__name__}"
+        name = _name(layer)
         if not self.block_quant:  # a bf16 checkpoint
             for w in ("w13", "w2"):
                 pairs = [quantize_linear_weight(f"{name} {w}[{e}]", expert) for e, expert in
@@ -165,6 +191,10 @@ class LatentspeedCTW8A8Fp8MoE(CompressedTensorsW8A8Fp8MoE):
                                 self.weight_block_size)
         _require_triton_runner()
 
+    def create_weights(self, layer, *args, **kwargs):
+        super().create_weights(layer, *args, **kwargs)
+        _refuse_mismatched_expert_dtypes(layer, "weight_scale")
+
     def create_moe_runner(self, layer, moe_runner_config):
         _check_runner_config(layer, moe_runner_config)
         self.moe_runner_config = moe_runner_config
@@ -185,9 +215,12 @@ class LatentspeedCTW8A8Fp8(CompressedTensorsW8A8Fp8):
         check_checkpoint_scheme(NAME, True, "static" if is_static_input_scheme else "dynamic", self.weight_block_size)
         self.w8a8_block_fp8_linear = block_linear
 
+    def create_weights(self, layer, *args, **kwargs):
+        super().create_weights(layer, *args, **kwargs)
+        refuse_mismatched_dtypes(lambda: _name(layer), layer.weight, layer.weight_scale)
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        check_block_scales(f"{NAME}: {getattr(layer, 'prefix', None) or type(layer).__name__}",
-                           layer.weight, layer.weight_scale)
+        check_block_scales(_name(layer), layer.weight, layer.weight_scale)
         super().process_weights_after_loading(layer)
 
 
@@ -207,6 +240,10 @@ class LatentspeedCTConfig(CompressedTensorsConfig):
         if len(blocks) > 1:
             raise ValueError(f"{NAME}: the checkpoint mixes weight blocks {sorted(blocks)}; one block size is supported")
         return list(blocks.pop()) if blocks else None
+
+    def get_quant_method(self, layer, prefix):
+        _remember_prefix(layer, prefix)
+        return super().get_quant_method(layer, prefix)
 
     def get_moe_scheme(self, layer, layer_name=None):
         scheme = super().get_moe_scheme(layer, layer_name)
@@ -253,6 +290,7 @@ class LatentspeedFp8Config(Fp8Config):
         return NAME if claims_checkpoint(hf_quant_cfg, user_quant, NAME) else None
 
     def get_quant_method(self, layer, prefix):
+        _remember_prefix(layer, prefix)
         method = super().get_quant_method(layer, prefix)
         if type(method) is Fp8LinearMethod:
             return LatentspeedFp8LinearMethod(self)

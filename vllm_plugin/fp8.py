@@ -60,11 +60,17 @@ from common_kernels.fp8 import (
     fused_moe_fp8,
     is_supported,
     quantize_linear_weight,
+    refuse_mismatched_dtypes,
 )
 from common_kernels.guard import fp8_guard
 
 NAME = "latentspeed_fp8"
 BLOCK = [SCALE_BLOCK, SCALE_BLOCK]
+
+
+def _name(layer) -> str:
+    """How errors name a layer: the method, then vLLM's prefix of the layer."""
+    return f"{NAME}: {getattr(layer, 'prefix', None) or getattr(layer, 'layer_name', None) or type(layer).__name__}"
 
 
 def _block_fp8_linear_fake(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
@@ -91,7 +97,7 @@ class LatentspeedBlockFp8Kernel(Fp8BlockScaledMMLinearKernel):
         super().process_weights_after_loading(layer)
         params = self._get_layer_params(layer)
         scale = params.weight_scale if params.weight_scale_inv is None else params.weight_scale_inv
-        check_block_scales(f"{NAME}: {getattr(layer, 'prefix', None) or type(layer).__name__}", params.weight, scale)
+        check_block_scales(_name(layer), params.weight, scale)
 
     def apply_block_scaled_mm(self, A, B, As, Bs):
         return torch.ops.latentspeed.block_fp8_linear(A, B, Bs)
@@ -137,6 +143,7 @@ class LatentspeedFp8LinearMethod(Fp8LinearMethod):
         scale = create_fp8_scale_parameter(BlockQuantScaleParameter, output_partition_sizes, input_size_per_partition,
                                            BLOCK, weight_loader)
         layer.register_parameter(self.scale_name, scale)
+        refuse_mismatched_dtypes(lambda: _name(layer), weight, scale)
         self.fp8_linear = _our_kernel(self, weight.shape)
         self.use_marlin = False
 
@@ -157,8 +164,7 @@ class LatentspeedOnlineFp8LinearMethod(Fp8PerBlockOnlineLinearMethod):
         if getattr(layer, "_already_called_process_weights_after_loading", False):  # vLLM's reload guard
             return
         layer.input_scale = None
-        name = f"{NAME}: {getattr(layer, 'prefix', None) or type(layer).__name__}"
-        weight, scale = quantize_linear_weight(name, layer.weight)
+        weight, scale = quantize_linear_weight(_name(layer), layer.weight)
         replace_parameter(layer, "weight", weight)
         replace_parameter(layer, "weight_scale_inv", scale)
         self.fp8_linear.process_weights_after_loading(layer)
@@ -178,8 +184,14 @@ class _LatentspeedMoE:
     def maybe_make_prepare_finalize(self, routing_tables=None):
         return None  # vLLM's own dispatch and combine around apply
 
+    def create_weights(self, layer, *args, **kwargs):
+        super().create_weights(layer, *args, **kwargs)
+        for w in ("w13", "w2"):
+            refuse_mismatched_dtypes(lambda w=w: f"{_name(layer)} {w}", getattr(layer, f"{w}_weight"),
+                                     getattr(layer, f"{w}_{self.weight_scale_name}", None))
+
     def _setup_kernel(self, layer, w13, w2, w13_scale, w2_scale, w13_input_scale, w2_input_scale) -> None:
-        name = f"{NAME}: {getattr(layer, 'layer_name', None) or type(layer).__name__}"
+        name = _name(layer)
         unsupported = {
             "an activation other than SiLU": layer.activation != MoEActivation.SILU,
             "expert biases": self.moe.has_bias,

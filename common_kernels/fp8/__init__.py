@@ -3,7 +3,7 @@
 reference, and the block-FP8 linear forward the engine adapters share."""
 
 from .gemm import SCALE_BLOCK, block_scaled_gemm
-from .linear import block_fp8_linear, check_block_scales, quantize_linear_weight
+from .linear import block_fp8_linear, check_block_scales, quantize_linear_weight, refuse_mismatched_dtypes
 from .moe import append_shared_experts, fused_moe_fp8
 from .quant import quantize_per_token, quantize_per_token_group, quantize_weight_blocks
 from .support import MIN_CAPABILITY, check_checkpoint_scheme, claims_checkpoint, is_supported
@@ -23,4 +23,5 @@ __all__ = [
     "quantize_per_token",
     "quantize_per_token_group",
     "quantize_weight_blocks",
+    "refuse_mismatched_dtypes",
 ]

@@ -1,10 +1,14 @@
 """A block-FP8 linear layer as both engines' adapters use it: the forward (activations quantized per
 token and 128 columns by ``quantize_per_token_group``, counted by the device's fp8 guard, then the
-block-scaled GEMM), the check of a layer's loaded block scales, and load-time quantization of a
-bf16 weight."""
+block-scaled GEMM), the checks of what a checkpoint holds for a layer (tensor dtypes as it is
+loaded, block scales once loaded), and load-time quantization of a bf16 weight."""
+
+import functools
+from collections.abc import Callable
 
 import torch
 
+from ..fp8_format import FP8_DTYPES
 from ..guard import fp8_guard
 from .gemm import SCALE_BLOCK, block_scaled_gemm
 from .quant import quantize_per_token_group, quantize_weight_blocks
@@ -31,6 +35,37 @@ def check_block_scales(name: str, weight: torch.Tensor, scale: torch.Tensor) -> 
     bad = int((~torch.isfinite(scale) | (scale <= 0)).sum())
     if bad:
         raise ValueError(f"{name}: {bad} weight scales are not finite and positive")
+
+
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # block scales as checkpoints store them
+
+
+def refuse_mismatched_dtypes(describe: Callable[[], str], weight: torch.nn.Parameter,
+                             scale: torch.nn.Parameter) -> None:
+    """Make the engine weight loaders of a block-FP8 ``weight`` and its ``scale`` raise
+    ``ValueError`` naming ``describe()`` for a checkpoint tensor of another dtype: the engines copy
+    whatever arrives into the fp8 parameter, so a bf16 weight under an FP8 config would be rounded
+    to fp8 and multiplied by scales meant for other values. A weight that is not fp8 (a bf16
+    checkpoint, quantized after loading) is left alone."""
+    if weight.dtype in FP8_DTYPES:
+        _refuse_other_dtypes(weight, lambda: f"{describe()} weight", (weight.dtype,))
+        _refuse_other_dtypes(scale, lambda: f"{describe()} scales", SCALE_DTYPES)
+
+
+def _refuse_other_dtypes(param: torch.nn.Parameter, describe: Callable[[], str], allowed) -> None:
+    loader = param.weight_loader
+
+    @functools.wraps(loader)
+    def load(target, loaded_weight, *args, **kwargs):
+        if loaded_weight.dtype not in allowed:
+            raise ValueError(f"{describe()}: the checkpoint stores {loaded_weight.dtype}, but its quantization "
+                             f"config implies {' or '.join(str(d) for d in allowed)}")
+        return loader(target, loaded_weight, *args, **kwargs)
+
+    if isinstance(getattr(type(param), "weight_loader", None), property):  # the engines' parameter classes
+        param._weight_loader = load
+    else:
+        param.weight_loader = load
 
 
 def quantize_linear_weight(name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

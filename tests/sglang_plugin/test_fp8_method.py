@@ -95,6 +95,19 @@ def test_merged_layer_matches_reference():
     assert_close(out, expected, atol=2e-2, rtol=1e-2, name="gate_up out")
 
 
+def test_tensors_of_another_dtype_than_the_config_are_refused_by_name():
+    config = LatentspeedFp8Config.from_config(DEEPSEEK_FP8)
+    with get_parallel().override(tp_size=1, tp_rank=0):
+        layer = ColumnParallelLinear(256, 256, bias=False, quant_config=config, params_dtype=torch.bfloat16,
+                                     prefix="model.layers.0.mlp.up_proj")
+    q, scales = quantize_weight_blocks_ref(torch.randn(256, 256) * 0.05)
+    with pytest.raises(ValueError, match=r"latentspeed_fp8: model.layers.0.mlp.up_proj weight: the checkpoint stores "
+                                         r"torch.bfloat16, but its quantization config implies torch.float8_e4m3fn"):
+        layer.weight.weight_loader(layer.weight, q.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"up_proj scales: the checkpoint stores torch.int32"):
+        layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, scales.to(torch.int32))
+
+
 def test_bf16_checkpoint_is_quantized_after_loading():
     with get_parallel().override(tp_size=1, tp_rank=0):
         layer = ColumnParallelLinear(256, 384, bias=False, quant_config=LatentspeedFp8Config(),
@@ -160,7 +173,7 @@ def test_bad_scales_are_named(bad):
         s[0, 0] = float("nan")
         layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, s)
     reason = "no scale for some weight blocks" if bad == "missing" else "not finite and positive"
-    with pytest.raises(ValueError, match=f"{NAME}: .*{reason}"):
+    with pytest.raises(ValueError, match=f"{NAME}: model.layers.0.mlp.up_proj: .*{reason}"):
         layer.quant_method.process_weights_after_loading(layer)
 
 

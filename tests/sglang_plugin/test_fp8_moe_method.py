@@ -127,6 +127,16 @@ def test_compressed_tensors_experts_with_bad_scales_or_other_schemes_are_named()
         moe_layer(LatentspeedFp8Config.from_config(per_channel))
 
 
+def test_expert_tensors_of_another_dtype_are_refused_by_name():
+    ct = moe_layer(LatentspeedFp8Config.from_config(copy.deepcopy(CT_FP8_BLOCK)))
+    with pytest.raises(ValueError, match=r"latentspeed_fp8: .* w2 weight: the checkpoint stores torch.bfloat16"):
+        ct.w2_weight.weight_loader(ct.w2_weight, torch.randn(HIDDEN, INTER).to(torch.bfloat16), "w2_weight", "w2", 0)
+    native = moe_layer(LatentspeedFp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[128, 128]))
+    scales = torch.ones(INTER // 128, HIDDEN // 128, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"latentspeed_fp8: .* w13 scales: the checkpoint stores torch.int32"):
+        native.w13_weight_scale_inv.weight_loader(native.w13_weight_scale_inv, scales, "w13_weight_scale_inv", "w1", 0)
+
+
 def test_bf16_experts_are_quantized_after_loading():
     layer = moe_layer(LatentspeedFp8Config())
     weights = [{k: (torch.randn(*s) * 0.05).to(torch.bfloat16) for k, s in SHAPES.items()} for _ in range(EXPERTS)]

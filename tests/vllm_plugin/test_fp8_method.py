@@ -96,6 +96,26 @@ def test_merged_column_layer_matches_reference(tp_group, tokens):
     assert_close(out, expected, atol=2e-2, rtol=1e-2, name="gate_up out")
 
 
+def test_tensors_of_another_dtype_than_the_config_are_refused_by_name(tp_group):
+    """Through the parameters' own loaders, as vLLM's model loader calls them: a bf16 weight or
+    an integer scale under an FP8 config is refused; fp8 weights with bf16 scales load and run."""
+    layer = MergedColumnParallelLinear(256, [128, 256], bias=False, quant_config=tp_group.quant_config,
+                                       prefix="model.layers.0.mlp.gate_up_proj")
+    shards = [quantize_weight_blocks_ref(torch.randn(n, 256) * 0.05) for n in (128, 256)]
+    with pytest.raises(ValueError, match=r"latentspeed_fp8: model.layers.0.mlp.gate_up_proj weight: the checkpoint "
+                                         r"stores torch.bfloat16, but its quantization config implies torch.float8_e4m3fn"):
+        layer.weight.weight_loader(layer.weight, shards[1][0].to(torch.bfloat16), 1)
+    with pytest.raises(ValueError, match=r"gate_up_proj scales: the checkpoint stores torch.int32"):
+        layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, shards[0][1].to(torch.int32), 0)
+    for shard_id, (q, scales) in enumerate(shards):
+        layer.weight.weight_loader(layer.weight, q, shard_id)
+        layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, scales.bfloat16(), shard_id)
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    expected = torch.cat([reference(x, q, scales.bfloat16().float()) for q, scales in shards], dim=1)
+    assert_close(layer(x)[0], expected, atol=2e-2, rtol=1e-2, name="gate_up out")
+
+
 def test_row_layer_with_bias_and_ragged_k(tp_group):
     """K = 320 is not a multiple of 128: the last activation group and weight block are partial."""
     layer = RowParallelLinear(320, 256, bias=True, quant_config=tp_group.quant_config,

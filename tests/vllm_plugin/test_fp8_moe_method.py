@@ -149,6 +149,13 @@ def test_bad_expert_scales_are_named(tp_group):
                      [{k: s for k, (_, s) in b.items()} for b in blocks])
 
 
+def test_expert_tensors_of_another_dtype_are_refused_by_name(tp_group):
+    experts = moe_layer(tp_group.quant_config).routed_experts
+    w1 = (torch.randn(INTER, HIDDEN) * 0.05).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"latentspeed_fp8: .* w13 weight: the checkpoint stores torch.bfloat16"):
+        experts.w13_weight.weight_loader(experts.w13_weight, w1, "w13_weight", "w1", 0)
+
+
 def test_expert_map_leaves_other_ranks_experts_out(tp_group):
     """Under expert parallelism vLLM hands apply global ids and the layer's expert map (-1: on
     another rank); here the map is set by hand on a single-rank layer."""
