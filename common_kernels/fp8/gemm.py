@@ -108,8 +108,11 @@ def nearest_tuned(by_m: dict, m: int) -> dict:
 def gemm_config(m: int, n: int, k: int, device: torch.device) -> dict:
     """The launch config for ``[m, k] x [n, k]``: the tuned table's (``nearest_tuned``) for this
     (N, K) on this GPU, else ``default_config``; on the CPU (Triton's interpreter) small tiles and
-    two K splits, so that tests run both paths."""
+    two K splits, so that test shapes run both paths over several tiles, except for products of at
+    least 128 x 256 (a model load's), which take one split of 128 x 256 tiles (minutes otherwise)."""
     if device.type != "cuda":
+        if m >= 128 and n >= 256:
+            return dict(BLOCK_M=128, BLOCK_N=256, SPLIT_K=1, GROUP_M=2, num_warps=4, num_stages=1)
         return dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=2 if k > SCALE_BLOCK else 1, GROUP_M=2, num_warps=4, num_stages=1)
     props = torch.cuda.get_device_properties(device)
     by_m = tuned_table("gemm", props.name).get(f"{n},{k}")

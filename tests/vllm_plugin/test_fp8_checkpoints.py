@@ -1,0 +1,142 @@
+"""Whole tiny DeepSeek-V3 checkpoints, in each format ``latentspeed_fp8`` loads, through vLLM
+0.26.0's own model loader on the CPU: ``DefaultModelLoader`` reads the safetensors files, the
+DeepSeek-V3 model maps the names (fused ``q_a``/``kv_a``, gate and up, experts), latentspeed's
+methods receive every tensor, and ``process_weights_after_loading`` runs for every layer (the MLA
+layers dequantize ``kv_b_proj`` for weight absorption). Bad checkpoints stop the load by name."""
+
+import tempfile
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from vllm.config import AttentionConfig, DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed import cleanup_dist_env_and_memory, init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.layers.linear import LinearBase
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+from tests.helpers import assert_close
+from tests.tiny_checkpoints import CONFIG, FORMATS, bf16_tensors, dequantized, is_quantized, write_checkpoint
+from vllm_plugin.fp8 import (
+    NAME,
+    LatentspeedCTFp8MoEMethod,
+    LatentspeedFp8LinearMethod,
+    LatentspeedFp8MoEMethod,
+    LatentspeedOnlineFp8LinearMethod,
+    LatentspeedOnlineFp8MoEMethod,
+)
+
+EXPECTED_METHODS = {
+    "deepseek_fp8": (LatentspeedFp8LinearMethod, LatentspeedFp8MoEMethod),
+    "compressed_tensors": (LatentspeedFp8LinearMethod, LatentspeedCTFp8MoEMethod),
+    "bf16": (LatentspeedOnlineFp8LinearMethod, LatentspeedOnlineFp8MoEMethod),
+}
+
+
+def load(path):
+    """vLLM's model load as an engine start runs it (eager, latentspeed's attention backends)."""
+    model_config = ModelConfig(model=str(path), skip_tokenizer_init=True, dtype="bfloat16", quantization=NAME,
+                               enforce_eager=True)
+    config = VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"),
+                        attention_config=AttentionConfig(backend="CUSTOM", mla_prefill_backend="CUSTOM"))
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{tempfile.mkstemp()[1]}")
+        initialize_model_parallel(1, 1)
+        try:
+            return DefaultModelLoader(LoadConfig()).load_model(config, model_config)
+        finally:
+            cleanup_dist_env_and_memory()
+
+
+@pytest.fixture
+def engine(hopper_quant, monkeypatch):
+    monkeypatch.setenv("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "1")  # its own CUDA stream otherwise
+
+
+# Where vLLM's DeepSeek-V3 puts each checkpoint projection: (module, row offset) per Hugging Face name.
+def placements(config=CONFIG):
+    q_lora, inter, moe_inter = config["q_lora_rank"], config["intermediate_size"], config["moe_intermediate_size"]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        yield p + "self_attn.q_a_proj", p + "self_attn.fused_qkv_a_proj", None, 0
+        yield p + "self_attn.kv_a_proj_with_mqa", p + "self_attn.fused_qkv_a_proj", None, q_lora
+        for proj in ("q_b_proj", "kv_b_proj", "o_proj"):
+            yield p + f"self_attn.{proj}", p + f"self_attn.{proj}", None, 0
+        dense = i < config["first_k_dense_replace"]
+        for mlp, width in [("mlp", inter)] if dense else [("mlp.shared_experts", moe_inter)]:
+            yield p + f"{mlp}.gate_proj", p + f"{mlp}.gate_up_proj", None, 0
+            yield p + f"{mlp}.up_proj", p + f"{mlp}.gate_up_proj", None, width
+            yield p + f"{mlp}.down_proj", p + f"{mlp}.down_proj", None, 0
+        if not dense:
+            for e in range(config["n_routed_experts"]):
+                experts = p + "mlp.experts.routed_experts"
+                yield p + f"mlp.experts.{e}.gate_proj", experts + ".w13", e, 0
+                yield p + f"mlp.experts.{e}.up_proj", experts + ".w13", e, moe_inter
+                yield p + f"mlp.experts.{e}.down_proj", experts + ".w2", e, 0
+
+
+def loaded_block(params, target, expert, offset, rows, scale_name):
+    weight, scale = params[f"{target}_weight" if expert is not None else f"{target}.weight"], \
+        params[f"{target}_{scale_name}" if expert is not None else f"{target}.{scale_name}"]
+    if expert is not None:
+        weight, scale = weight[expert], scale[expert]
+    return weight[offset:offset + rows], scale[offset // 128:-(-(offset + rows) // 128)]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_each_format_loads_through_vllms_model_loader(engine, tmp_path, fmt):
+    original = bf16_tensors()
+    written = write_checkpoint(tmp_path, fmt, original)
+
+    model = load(tmp_path)
+
+    linear_method, moe_method = EXPECTED_METHODS[fmt]
+    methods = {type(m.quant_method) for m in model.modules() if isinstance(m, LinearBase) and m.quant_method}
+    assert linear_method in methods
+    assert {type(m.quant_method) for m in model.modules() if type(m).__name__ == "RoutedExperts"} == {moe_method}
+    params = dict(model.named_parameters())
+    scale_name = FORMATS[fmt][0] or "weight_scale_inv"
+    for source, target, expert, offset in placements():
+        checkpoint = written[f"{source}.weight"]
+        weight, scale = loaded_block(params, target, expert, offset, checkpoint.shape[0], scale_name)
+        if fmt == "bf16":  # quantized while loading: within fp8's rounding of the original
+            assert_close(dequantized(weight, scale), original[f"{source}.weight"], atol=2e-3, rtol=7e-2, name=source)
+        else:  # loaded as stored, bit for bit
+            assert torch.equal(weight.view(torch.uint8), checkpoint.view(torch.uint8)), source
+            assert torch.equal(scale, written[f"{source}.{scale_name}"]), source
+    # MLA's weight absorption dequantized kv_b_proj: W_UV holds its value rows (per head, transposed).
+    c = CONFIG
+    attention = "model.layers.1.self_attn"
+    kv_b = dequantized(params[f"{attention}.kv_b_proj.weight"], params[f"{attention}.kv_b_proj.{scale_name}"])
+    values = kv_b.view(c["num_attention_heads"], c["qk_nope_head_dim"] + c["v_head_dim"], c["kv_lora_rank"])
+    assert_close(params[f"{attention}.mla_attn.mla_attn.W_UV"], values[:, c["qk_nope_head_dim"]:].transpose(1, 2),
+                 atol=1e-6, rtol=1e-2, name="W_UV")
+
+
+@pytest.mark.parametrize("fmt", ["deepseek_fp8", "compressed_tensors"])
+def test_a_bf16_tensor_under_an_fp8_config_stops_the_load_by_name(engine, tmp_path, fmt):
+    written = write_checkpoint(tmp_path, fmt)
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    written[name] = written[name].to(torch.bfloat16)
+    save_file(written, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"latentspeed_fp8: .*w13 weight: the checkpoint stores torch.bfloat16"):
+        load(tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["deepseek_fp8", "compressed_tensors"])
+def test_a_missing_scale_stops_the_load_by_name(engine, tmp_path, fmt):
+    written = write_checkpoint(tmp_path, fmt)
+    del written[f"model.layers.0.self_attn.o_proj.{FORMATS[fmt][0]}"]
+    save_file(written, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"latentspeed_fp8: model.layers.0.self_attn.o_proj: the checkpoint has no "
+                                         "scale for some weight blocks"):
+        load(tmp_path)
+
+
+def test_unquantized_tensors_stay_bf16(engine, tmp_path):
+    written = write_checkpoint(tmp_path, "deepseek_fp8")
+    params = dict(load(tmp_path).named_parameters())
+    kept = [name for name in written if not is_quantized(name) and not name.endswith("scale_inv")]
+    assert len(kept) == 13  # embeddings, norms, lm_head, the router and its bias
+    for name in kept:
+        assert torch.equal(params[name].float(), written[name].float()), name
