@@ -102,7 +102,7 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
         extra = dict(NUM_BUFS=decode_sm90.NUM_BUFS)
     elif module is not None:
         kernel, block_n, num_warps = module.mla_decode_split_kernel_sm90_narrow, module.BLOCK_N, module.NUM_WARPS
-        extra = dict(NUM_BUFS=module.num_bufs(keys_dtype, plan.block_rows))
+        extra = dict(NUM_BUFS=module.NUM_BUFS)
     pointers = dict(q_nope_ptr=torch.bfloat16, q_pe_ptr=torch.bfloat16, cache_ptr=keys_dtype, block_table_ptr=torch.int32,
                     seq_lens_ptr=torch.int32, kv_scale_ptr=torch.float32, tree_mask_ptr=torch.int64,
                     q_start_ptr=torch.int32, out_ptr=torch.float32, lse_ptr=torch.float32)

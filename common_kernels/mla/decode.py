@@ -315,14 +315,21 @@ MIN_TOKENS_PER_SPLIT = 64
 # to write and merge than the extra parallelism gains (H200, batch 1, 4k tokens: 32 beat 64).
 MAX_SPLITS = 32
 MAX_PROGRAMS_PER_SM = 3
+# Programs sharing a multiprocessor only pay off over long splits: a second program of the narrow
+# fp8 kernel is taken only while every split still reads this many tokens (H200, fp8, batch 1-128:
+# benchmarks/results/mla_decode-sm90-narrow-fp8-2026-12-01.md).
+MIN_TOKENS_PER_SHARED_SPLIT = 256
 
 
 def programs_per_sm(block_rows: int, cache_dtype: torch.dtype | None, sm90: bool = False) -> int:
     """Split-kernel programs one multiprocessor holds at once with ``_launch_config``'s choices:
     three 4-warp bf16 launches of 16-row groups (159 registers a thread, ptxas for sm_90a; three
     beat two at batch 128); one 8-warp launch (all 255 registers a thread). sm_90's Gluon
-    kernels take most of the shared memory: one."""
-    return MAX_PROGRAMS_PER_SM if block_rows <= 16 and cache_dtype not in FP8_DTYPES and not sm90 else 1
+    kernels take most of the shared memory: one, except two of the narrow kernel's fp8 launches."""
+    fp8 = cache_dtype in FP8_DTYPES
+    if sm90:
+        return decode_sm90_narrow.PROGRAMS_PER_SM_FP8 if fp8 and block_rows in decode_sm90_narrow.BLOCK_ROWS else 1
+    return MAX_PROGRAMS_PER_SM if block_rows <= 16 and not fp8 else 1
 
 
 def plan_decode(
@@ -339,7 +346,9 @@ def plan_decode(
 
     The split count fills one wave of the GPU (``programs_per_sm`` programs per multiprocessor)
     without giving a split fewer than ``MIN_TOKENS_PER_SPLIT`` tokens or making more than
-    ``MAX_SPLITS`` (benchmarks/results/mla_decode-splits-2026-12-01.md). ``cache_dtype``
+    ``MAX_SPLITS`` (benchmarks/results/mla_decode-splits-2026-12-01.md); on sm_90's narrow fp8
+    kernel, one program per multiprocessor where two would leave splits shorter than
+    ``MIN_TOKENS_PER_SHARED_SPLIT``. ``cache_dtype``
     (default bf16) sets the launch, hence the occupancy. ``num_splits`` overrides the heuristic
     (1 gives a deterministic, batch-invariant merge). ``sm90``: the launches will run on sm_90's
     Gluon kernels (pass ``sm90_kernels_apply(...)``); without it they run the Triton kernel.
@@ -350,9 +359,15 @@ def plan_decode(
     block_rows = min(MAX_BLOCK_ROWS, max(16, triton.next_power_of_2(rows)))
     if num_splits is None:
         groups = max(1, batch) * triton.cdiv(rows, block_rows)
-        by_occupancy = programs_per_sm(block_rows, cache_dtype, sm90) * num_sms // groups
         by_length = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
-        num_splits = max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+        def filling(programs: int) -> int:
+            return max(1, min(programs * num_sms // groups, by_length, MAX_SPLITS))
+
+        programs = programs_per_sm(block_rows, cache_dtype, sm90)
+        num_splits = filling(programs)
+        if sm90 and programs > 1 and max_seq_len < num_splits * MIN_TOKENS_PER_SHARED_SPLIT:
+            num_splits = filling(1)
     return DecodePlan(batch, q_len, num_heads, block_rows, num_splits, sm90)
 
 
@@ -579,7 +594,7 @@ def _launch_split(q_nope, q_pe, keys, block_table, seq_lens, kv_scale, tree_mask
         options = dict(NUM_BUFS=decode_sm90.NUM_BUFS, num_warps=decode_sm90.NUM_WARPS)
     elif module is decode_sm90_narrow:
         kernel, block_n = decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow, decode_sm90_narrow.BLOCK_N
-        options = dict(NUM_BUFS=decode_sm90_narrow.num_bufs(keys.dtype, plan.block_rows), num_warps=decode_sm90_narrow.NUM_WARPS)
+        options = dict(NUM_BUFS=decode_sm90_narrow.NUM_BUFS, num_warps=decode_sm90_narrow.NUM_WARPS)
     else:
         kernel = _mla_decode_split_kernel
         block_n, num_warps, num_stages = _launch_config(plan.block_rows, page_size, is_fp8)

@@ -15,14 +15,18 @@ wgmma's M and the query rows its N (one warpgroup, 4 warps):
 - softmax per column in fp32, base 2; the column max reduces across the 4 warps every tile, the
   column sum once at the end;
 - ``P^T`` goes to shared memory in the ``P V`` operand type;
-- ``O^T = V^T P^T``: ``[D_latent, BLOCK_R]`` fp32, ``V^T`` the tile's latent part read transposed
-  (bf16/fp16), or for fp8 caches widened to fp16 (exact) into a buffer while ``Q K^T`` runs (an
-  fp8 wgmma operand must be K-major);
+- ``O^T = V^T P^T``: ``[D_latent, BLOCK_R]`` fp32 in four accumulators of ``V_CHUNK`` latent
+  rows, ``V^T`` the tile's latent part read transposed from shared memory by wgmma (bf16/fp16),
+  or for fp8 caches loaded into registers and widened to fp16 there (exact; an fp8 wgmma operand
+  in shared memory must be K-major, and widening into a shared buffer cost as much as the halved
+  read saved);
 - cache tiles: ``cp.async`` per row into a ring of ``NUM_BUFS`` buffers, as in ``decode_sm90``.
 
-Shared memory at ``BLOCK_N = 64``: bf16 queries 18 KiB (32 rows: 36), two tiles 144 KiB;
-fp8 queries 9 KiB, four tiles 144 KiB (32 rows: 18 KiB and three tiles), ``V`` 64 KiB. One
-program per multiprocessor.
+Shared memory at ``BLOCK_N = 64``: bf16 queries 18 KiB (32 rows: 36), two tiles 144 KiB, one
+program per multiprocessor; fp8 queries 9 KiB (32 rows: 18), two tiles 72 KiB, two programs per
+multiprocessor (``PROGRAMS_PER_SM_FP8``), which hide each other's latencies: measured on the
+H200 (``benchmarks/notes.md``, 2026-12-01, seventh session) 1.25-1.33x faster than one program
+with the widening buffer at one query token.
 """
 
 import torch
@@ -36,24 +40,42 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..fp8_format import FP8_DTYPES
-from .decode_sm90 import D_LATENT, D_ROPE, _advance_ring, _load_queries, _start_ring, _widen_latent
+from .decode_sm90 import D_LATENT, D_ROPE, V_CHUNK, _advance_ring, _load_queries, _start_ring
 
 BLOCK_ROWS = (16, 32)
 BLOCK_N = 64
 NUM_WARPS = 4
 
 
-def num_bufs(keys_dtype: torch.dtype, block_rows: int) -> int:
-    """Ring depth: what fits 227 KiB of shared memory beside the queries (and fp8's widened ``V``)."""
-    if keys_dtype in FP8_DTYPES:
-        return 4 if block_rows == 16 else 3
-    return 2
+NUM_BUFS = 2
+PROGRAMS_PER_SM_FP8 = 2  # fp8 caches: 83 KiB of shared memory (32 rows: 94) and 255 registers a thread
 
 
 def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, d_latent: int, d_rope: int) -> bool:
     """Whether this kernel takes a launch of that shape (on an sm_90 GPU)."""
     return (block_rows in BLOCK_ROWS and keys_dtype in (torch.bfloat16, torch.float16, *FP8_DTYPES) and paged
             and page_size % BLOCK_N == 0 and (d_latent, d_rope) == (D_LATENT, D_ROPE))
+
+
+@gluon.jit
+def _pv(tile, c: gl.constexpr, p_smem, acc, IS_FP8: gl.constexpr, v_ops: gl.constexpr):
+    """Start ``acc += V^T P^T`` for latent rows ``[c * V_CHUNK, (c + 1) * V_CHUNK)`` of the cache
+    ``tile``: ``V^T`` read transposed from shared memory by wgmma, or (fp8 tiles) loaded into
+    registers and widened to fp16 there. Returns the accumulator and ``V^T``'s operand (which must
+    stay alive until the wgmma is waited for)."""
+    v_t = tile.slice(c * V_CHUNK, V_CHUNK, dim=1).permute([1, 0])
+    if IS_FP8:
+        v_regs = v_t.load(v_ops).to(p_smem.dtype)
+        return warpgroup_mma(v_regs, p_smem, acc, is_async=True), v_regs
+    else:
+        return warpgroup_mma(v_t, p_smem, acc, is_async=True), v_t
+
+
+@gluon.jit
+def _store_out(out, c: gl.constexpr, out_rows, out_mask, mma_o: gl.constexpr):
+    """Latent rows ``[c * V_CHUNK, (c + 1) * V_CHUNK)`` of ``O^T`` to the output rows."""
+    offs_co = c * V_CHUNK + gl.arange(0, V_CHUNK, layout=gl.SliceLayout(1, mma_o))
+    gl.store(out_rows + offs_co[:, None], out.to(out_rows.dtype.element_ty), mask=out_mask)
 
 
 @gluon.jit
@@ -151,9 +173,6 @@ def mla_decode_split_kernel_sm90_narrow(
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], key_ty))
     p_smem = gl.allocate_shared_memory(pv_ty, [BLOCK_N, BLOCK_R],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], pv_ty))
-    if IS_FP8:
-        v_smem = gl.allocate_shared_memory(pv_ty, [BLOCK_N, D_LATENT],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], pv_ty))
 
     # Column (query row) visibility: causal bound, or tree mask bits.
     row_s = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=cols_s)
@@ -169,7 +188,11 @@ def mla_decode_split_kernel_sm90_narrow(
 
     m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, layout=cols_s)
     l_tile = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, layout=mma_s)
-    acc = gl.zeros([D_LATENT, BLOCK_R], gl.float32, layout=mma_o)
+    acc0 = gl.zeros([V_CHUNK, BLOCK_R], gl.float32, layout=mma_o)
+    acc1 = gl.zeros([V_CHUNK, BLOCK_R], gl.float32, layout=mma_o)
+    acc2 = gl.zeros([V_CHUNK, BLOCK_R], gl.float32, layout=mma_o)
+    acc3 = gl.zeros([V_CHUNK, BLOCK_R], gl.float32, layout=mma_o)
+    v_ops: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
     s_zero = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, layout=mma_s)
     offs_key = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
@@ -181,11 +204,6 @@ def mla_decode_split_kernel_sm90_narrow(
 
         s = warpgroup_mma(kc, qn_smem.permute([1, 0]), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(kp, qp_smem.permute([1, 0]), s, is_async=True)
-        if IS_FP8:  # while Q K^T runs
-            _widen_latent(kc, v_smem, ld_keys, D_LATENT)
-            v = v_smem
-        else:
-            v = kc
         s, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, qp_smem, kc, kp])
 
         offs_n = start + i * BLOCK_N + offs_key
@@ -207,26 +225,32 @@ def mla_decode_split_kernel_sm90_narrow(
 
         p_smem.store(p.to(pv_ty))
         fence_async_shared()
-        gl.thread_barrier()  # all of P^T (and V) is written before the warpgroup reads it
-        acc = warpgroup_mma(v.permute([1, 0]), p_smem, acc * gl.convert_layout(alpha, cols_o)[None, :], is_async=True)
-        acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_smem, v])
+        gl.thread_barrier()  # all of P^T is written before the warpgroup reads it
+        alpha_o = gl.convert_layout(alpha, cols_o)[None, :]
+        acc0, v0 = _pv(kc, 0, p_smem, acc0 * alpha_o, IS_FP8, v_ops)
+        acc1, v1 = _pv(kc, 1, p_smem, acc1 * alpha_o, IS_FP8, v_ops)
+        acc2, v2 = _pv(kc, 2, p_smem, acc2 * alpha_o, IS_FP8, v_ops)
+        acc3, v3 = _pv(kc, 3, p_smem, acc3 * alpha_o, IS_FP8, v_ops)
+        acc0, acc1, acc2, acc3, _, _, _, _, _, _ = warpgroup_mma_wait(
+            num_outstanding=0, deps=[acc0, acc1, acc2, acc3, p_smem, kc, v0, v1, v2, v3])
     async_copy.wait_group(0)
 
     l_i = gl.sum(l_tile, axis=0)
     has_keys = l_i > 0.0
     safe_l = gl.where(has_keys, l_i, 1.0)
     lse = gl.where(has_keys, (m_i + gl.log2(safe_l)) * 0.6931471805599453, float("-inf"))  # ln 2
-    out = acc * gl.convert_layout(kv_scale / safe_l, cols_o)[None, :]
+    out_scale = gl.convert_layout(kv_scale / safe_l, cols_o)[None, :]
 
     row_o = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=cols_o)
     out_rows = (q_start + row_o // NUM_HEADS)[None, :] * stride_out_t + (row_o % NUM_HEADS)[None, :] * stride_out_h
-    offs_co = gl.arange(0, D_LATENT, layout=gl.SliceLayout(1, mma_o))
     out_mask = (row_o < q_len * NUM_HEADS)[None, :]
+    if not DIRECT_OUT:
+        out_rows += pid_s * stride_out_s
+    _store_out(acc0 * out_scale, 0, out_ptr + out_rows, out_mask, mma_o)
+    _store_out(acc1 * out_scale, 1, out_ptr + out_rows, out_mask, mma_o)
+    _store_out(acc2 * out_scale, 2, out_ptr + out_rows, out_mask, mma_o)
+    _store_out(acc3 * out_scale, 3, out_ptr + out_rows, out_mask, mma_o)
     lse_ptrs = lse_ptr + (q_start + tok_j) * stride_lse_t + (row_s % NUM_HEADS) * stride_lse_h
-    lse_mask = row_s < q_len * NUM_HEADS
-    if DIRECT_OUT:
-        gl.store(out_ptr + out_rows + offs_co[:, None], out.to(out_ptr.dtype.element_ty), mask=out_mask)
-        gl.store(lse_ptrs, lse, mask=lse_mask)
-    else:
-        gl.store(out_ptr + out_rows + pid_s * stride_out_s + offs_co[:, None], out, mask=out_mask)
-        gl.store(lse_ptrs + pid_s, lse, mask=lse_mask)
+    if not DIRECT_OUT:
+        lse_ptrs += pid_s
+    gl.store(lse_ptrs, lse, mask=row_s < q_len * NUM_HEADS)

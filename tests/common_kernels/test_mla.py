@@ -267,9 +267,16 @@ def test_plan_bounds_workspace():
     assert plan_decode(8, 128, 1, 1 << 17, num_sms=132).num_splits == 132 // 16
     assert plan_decode(128, 16, 1, 1 << 17, num_sms=132).num_splits == 3 * 132 // 128
     assert plan_decode(8, 16, 1, 1 << 17, num_sms=132, cache_dtype=torch.float8_e4m3fn).num_splits == 132 // 8
-    # sm_90's Gluon kernels: one program per multiprocessor for every row group.
+    # sm_90's Gluon kernels: one program per multiprocessor, two for the narrow kernel's fp8 caches.
     assert plan_decode(128, 16, 1, 1 << 17, num_sms=132, sm90=True).num_splits == 1
     assert plan_decode(8, 16, 2, 1 << 17, num_sms=132, sm90=True).num_splits == 132 // 8
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for q_len in (1, 2):
+            assert plan_decode(128, 16, q_len, 1 << 17, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 2
+        assert plan_decode(8, 128, 1, 1 << 17, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 132 // 16
+        # Two programs would split 4096 tokens 32 ways (128 each): one program a multiprocessor.
+        assert plan_decode(8, 16, 1, 4096, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 132 // 8
+        assert plan_decode(128, 16, 1, 500, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 1
 
 
 @pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())
