@@ -1,0 +1,108 @@
+"""A compressed-tensors FP8-block checkpoint in stock vLLM on a GPU: latentspeed_fp8 against vLLM's
+own compressed-tensors method.
+
+The checkpoint is ``tests/tiny_checkpoints.py``'s tiny DeepSeek-V3 (16 heads, 4 routed experts and
+a shared one, random weights at init scale), written as llm-compressor writes an FP8 block recipe.
+Engines, one per process: ``vllm-ct`` (vLLM's method, FLASHMLA), ``ours`` (``--quantization
+latentspeed_fp8``, CUSTOM attention and MLA prefill), each also with an fp8 KV cache (``-fp8kv``).
+Each engine scores 8 random prompts of 200-1800 tokens (prompt log-probs: the prefill path) and
+decodes 32 greedy tokens after each (the decode path), and reports the quantization methods its
+layers hold. ``compare A B`` prints |Δ log-prob| over the prompts, and over each decode up to
+the first token where the two differ.
+
+    python3 tests/gpu/vllm_ct_e2e.py write
+    python3 tests/gpu/vllm_ct_e2e.py engine ours          # also vllm-ct, ours-fp8kv, vllm-ct-fp8kv
+    python3 tests/gpu/vllm_ct_e2e.py compare vllm-ct ours
+
+Files go to ``$OUT`` (default ``./gpu-out``); the checkpoint to ``/tmp/ct-tiny``.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+CHECKPOINT = Path("/tmp/ct-tiny")
+OUT = Path(os.environ.get("OUT", "gpu-out"))
+ENGINES = {  # name: (quantization, attention backend, MLA prefill backend, kv-cache dtype)
+    "vllm-ct": (None, "FLASHMLA", None, "auto"),
+    "vllm-ct-fp8kv": (None, "FLASHMLA", None, "fp8"),
+    "ours": ("latentspeed_fp8", "CUSTOM", "CUSTOM", "auto"),
+    "ours-fp8kv": ("latentspeed_fp8", "CUSTOM", "CUSTOM", "fp8"),
+}
+
+
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(10, 1024, size=int(n)).tolist() for n in rng.integers(200, 1800, size=8)]
+
+
+def quant_methods(model) -> list[str]:
+    return sorted({type(m.quant_method).__name__ for m in model.modules() if getattr(m, "quant_method", None)})
+
+
+def run_engine(name: str) -> None:
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # for apply_model(quant_methods)
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    quantization, backend, prefill, kv_dtype = ENGINES[name]
+    llm = LLM(model=str(CHECKPOINT), quantization=quantization, skip_tokenizer_init=True, dtype="bfloat16",
+              kv_cache_dtype=kv_dtype, block_size=64, max_model_len=2048, gpu_memory_utilization=0.3, seed=0,
+              enforce_eager=True,
+              attention_config={"backend": backend, **({"mla_prefill_backend": prefill} if prefill else {})})
+    token_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts()]
+    scored = llm.generate(token_prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    decoded = llm.generate(token_prompts, SamplingParams(temperature=0.0, max_tokens=32, logprobs=0, ignore_eos=True),
+                           use_tqdm=False)
+    result = {
+        "prompt_logprobs": [[next(iter(step.values())).logprob for step in out.prompt_logprobs[1:]] for out in scored],
+        "tokens": [list(out.outputs[0].token_ids) for out in decoded],
+        "logprobs": [[step[token].logprob for step, token in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+                     for out in decoded],
+        "methods": sorted(set(sum(llm.apply_model(quant_methods), []))),
+    }
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"ct-{name}.json").write_text(json.dumps(result))
+    print(name, result["methods"], flush=True)
+
+
+def compare(a: str, b: str) -> dict:
+    first, second = (json.loads((OUT / f"ct-{name}.json").read_text()) for name in (a, b))
+    prompt_a, prompt_b = (np.concatenate([np.array(p, float) for p in r["prompt_logprobs"]]) for r in (first, second))
+    prefill = np.abs(prompt_a - prompt_b)
+    decode = []
+    for tokens_a, tokens_b, logprobs_a, logprobs_b in zip(first["tokens"], second["tokens"], first["logprobs"],
+                                                          second["logprobs"]):
+        same = next((i for i, (x, y) in enumerate(zip(tokens_a, tokens_b)) if x != y), len(tokens_a))
+        decode += [abs(x - y) for x, y in zip(logprobs_a[:same], logprobs_b[:same])]
+    row = dict(a=a, b=b, prefill_tokens=int(prefill.size), prefill_mean=float(prefill.mean()),
+               prefill_p99=float(np.quantile(prefill, 0.99)), prefill_max=float(prefill.max()),
+               logprob_mean=float(prompt_a.mean()), logprob_std=float(prompt_a.std()),
+               decode_tokens_compared=len(decode), decode_mean=float(np.mean(decode)) if decode else None,
+               identical_greedy=sum(x == y for x, y in zip(first["tokens"], second["tokens"])),
+               methods_a=first["methods"], methods_b=second["methods"])
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main() -> None:
+    command = sys.argv[1]
+    if command == "write":
+        sys.path.insert(0, str(REPO))
+        from tests.tiny_checkpoints import write_checkpoint
+
+        write_checkpoint(CHECKPOINT, "compressed_tensors")
+    elif command == "engine":
+        run_engine(sys.argv[2])
+    elif command == "compare":
+        with open(OUT / "ct-compare.jsonl", "a") as f:
+            f.write(json.dumps(compare(sys.argv[2], sys.argv[3])) + "\n")
+    else:
+        raise SystemExit(f"unknown command {command!r}: write, engine NAME or compare A B")
+
+
+if __name__ == "__main__":
+    main()
