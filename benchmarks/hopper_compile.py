@@ -39,9 +39,11 @@ class HopperReport:
     wgmma: int  # wgmma.mma_async instructions in the PTX
     async_copies: int  # cp.async copies the software pipeliner made (ttgir ops)
     mma_layouts: tuple[str, ...]  # warpsPerCTA and instrShape of each MMA layout
+    wgmma_serialized: bool  # ptxas C7511: it waits after every wgmma, short of registers for the pipeline
 
     def line(self) -> str:
-        return (f"registers {self.registers}, spills {self.spill_bytes} B, wgmma {self.wgmma}, "
+        return (f"registers {self.registers}, spills {self.spill_bytes} B, wgmma {self.wgmma}"
+                f"{' (serialized by ptxas)' if self.wgmma_serialized else ''}, "
                 f"async copies {self.async_copies}, mma layouts {'; '.join(self.mma_layouts) or 'none'}")
 
 
@@ -79,7 +81,7 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int,
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", verbose))
     layouts = tuple(sorted(set(re.findall(r"warpsPerCTA = \[\d+, \d+\], instrShape = \[[\d, ]+\]", ttgir))))
     return HopperReport(registers, spills, ptx.count("wgmma.mma_async"), ttgir.count("async_copy_global_to_local"),
-                        layouts)
+                        layouts, "wgmma.mma_async instructions are serialized" in verbose)
 
 
 def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 64, varlen: bool = False,
