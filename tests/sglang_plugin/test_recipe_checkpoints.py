@@ -68,45 +68,24 @@ FP8_BLOCK = [p for p in CHECKPOINTS if json.loads((p / "latentspeed_report.json"
 def test_fp8_block_checkpoint_experts_run_on_latentspeeds_fused_moe(checkpoint, tmp_path):
     """Layer 1's routed experts, as llm-compressor wrote them, through SGLang's MoE weight loader
     into latentspeed's fused MoE under ``--quantization latentspeed_fp8``."""
-    from safetensors import safe_open
-
-    from common_kernels.fp8.reference import fused_moe_fp8_ref
-    from sglang_plugin.fp8 import LatentspeedCTW8A8Fp8MoE, LatentspeedFp8Config
-    from tests.helpers import assert_close
-    from tests.sglang_plugin.test_fp8_moe_method import apply, publish_tiny_deepseek, single_rank
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang_plugin.fp8 import LatentspeedCTW8A8Fp8MoE, LatentspeedFp8Config
+    from tests.checkpoint_experts import PREFIX, assert_experts_match_reference, load_experts, moe_shape
+    from tests.sglang_plugin.test_fp8_moe_method import apply, publish_tiny_deepseek, single_rank
 
     publish_tiny_deepseek(tmp_path)
-    model = json.loads((checkpoint / "config.json").read_text())
-    experts = next(model[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if k in model)
-    top_k = model["num_experts_per_tok"]
-    prefix = "model.layers.1.mlp.experts"
+    model, experts, top_k = moe_shape(checkpoint)
     with single_rank():
         layer = FusedMoE(num_experts=experts, hidden_size=model["hidden_size"],
                          intermediate_size=model["moe_intermediate_size"], layer_id=1, top_k=top_k,
                          params_dtype=torch.bfloat16, quant_config=LatentspeedFp8Config.from_config(
-                             model["quantization_config"]), prefix=prefix)
+                             model["quantization_config"]), prefix=PREFIX)
     assert type(layer.scheme) is LatentspeedCTW8A8Fp8MoE
-    stored = {}
-    with safe_open(checkpoint / "model.safetensors", "pt") as f:
-        for e in range(experts):
-            for shard, proj in {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.items():
-                for kind in ("weight", "weight_scale"):
-                    value = stored[e, shard, kind] = f.get_tensor(f"{prefix}.{e}.{proj}.{kind}")
-                    name = f"{'w2' if shard == 'w2' else 'w13'}_{kind}"
-                    layer.weight_loader(getattr(layer, name), value, name, shard, e)
+    stored = load_experts(checkpoint, experts, lambda name, value, shard, e: layer.weight_loader(
+        getattr(layer, name), value, name, shard, e))
     layer.quant_method.process_weights_after_loading(layer)
-    x = torch.randn(7, model["hidden_size"], dtype=torch.bfloat16)
-    weights, ids = torch.softmax(torch.randn(7, experts), -1).topk(top_k, dim=-1)
-
-    out = apply(layer, x, weights, ids.to(torch.int32))
-
-    w13 = torch.stack([torch.cat([stored[e, "w1", "weight"], stored[e, "w3", "weight"]]) for e in range(experts)])
-    s13 = torch.stack([torch.cat([stored[e, "w1", "weight_scale"], stored[e, "w3", "weight_scale"]])
-                       for e in range(experts)]).float()
-    w2 = torch.stack([stored[e, "w2", "weight"] for e in range(experts)])
-    s2 = torch.stack([stored[e, "w2", "weight_scale"] for e in range(experts)]).float()
-    assert_close(out, fused_moe_fp8_ref(x, w13, s13, w2, s2, weights, ids), atol=2e-2, rtol=2e-2, name="experts out")
+    assert_experts_match_reference(lambda x, weights, ids: apply(layer, x, weights, ids), stored,
+                                   model["hidden_size"], experts, top_k)
 
 
 MIXED = [p for p in CHECKPOINTS if json.loads((p / "latentspeed_report.json").read_text())["recipe"] == "mixed"]
