@@ -35,25 +35,23 @@ ENGINES = {  # name: (quantization, attention backend, MLA prefill backend, kv-c
 }
 
 
-def prompts() -> list[list[int]]:
-    rng = np.random.default_rng(0)
-    return [rng.integers(10, 1024, size=int(n)).tolist() for n in rng.integers(200, 1800, size=8)]
-
-
 def quant_methods(model) -> list[str]:
     return sorted({type(m.quant_method).__name__ for m in model.modules() if getattr(m, "quant_method", None)})
 
 
 def run_engine(name: str) -> None:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # for apply_model(quant_methods)
+    sys.path.insert(0, str(REPO))
     from vllm import LLM, SamplingParams, TokensPrompt
+
+    from tests.gpu.vllm_e2e import prompts
 
     quantization, backend, prefill, kv_dtype = ENGINES[name]
     llm = LLM(model=str(CHECKPOINT), quantization=quantization, skip_tokenizer_init=True, dtype="bfloat16",
               kv_cache_dtype=kv_dtype, block_size=64, max_model_len=2048, gpu_memory_utilization=0.3, seed=0,
               enforce_eager=True,
               attention_config={"backend": backend, **({"mla_prefill_backend": prefill} if prefill else {})})
-    token_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts()]
+    token_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts(0, 8, 200, 1799, vocab=1024)]
     scored = llm.generate(token_prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     decoded = llm.generate(token_prompts, SamplingParams(temperature=0.0, max_tokens=32, logprobs=0, ignore_eos=True),
                            use_tqdm=False)
