@@ -19,7 +19,10 @@ wgmma's M and the query rows its N (one warpgroup, 4 warps):
   rows, ``V^T`` the tile's latent part read transposed from shared memory by wgmma (bf16/fp16),
   or for fp8 caches loaded into registers and widened to fp16 there (exact; an fp8 wgmma operand
   in shared memory must be K-major, and widening into a shared buffer cost as much as the halved
-  read saved);
+  read saved). At 32 fp8 rows only two ``V^T`` chunks are in flight (chunk c is waited for before
+  c + 2 is issued): with four, the accumulators and operands outgrow the registers and ptxas
+  serializes every wgmma (C7511); two were 1.18-1.22x faster on the H200 (2026-12-01, ninth
+  session);
 - cache tiles: ``cp.async`` per row into a ring of ``NUM_BUFS`` buffers, as in ``decode_sm90``.
 
 Shared memory at ``BLOCK_N = 64``: bf16 queries 18 KiB (32 rows: 36), two tiles 144 KiB, one
@@ -229,10 +232,17 @@ def mla_decode_split_kernel_sm90_narrow(
         alpha_o = gl.convert_layout(alpha, cols_o)[None, :]
         acc0, v0 = _pv(kc, 0, p_smem, acc0 * alpha_o, IS_FP8, v_ops)
         acc1, v1 = _pv(kc, 1, p_smem, acc1 * alpha_o, IS_FP8, v_ops)
-        acc2, v2 = _pv(kc, 2, p_smem, acc2 * alpha_o, IS_FP8, v_ops)
-        acc3, v3 = _pv(kc, 3, p_smem, acc3 * alpha_o, IS_FP8, v_ops)
-        acc0, acc1, acc2, acc3, _, _, _, _, _, _ = warpgroup_mma_wait(
-            num_outstanding=0, deps=[acc0, acc1, acc2, acc3, p_smem, kc, v0, v1, v2, v3])
+        if IS_FP8 and BLOCK_R == 32:  # two V^T chunks in flight: four do not fit the registers at 32 rows
+            acc0, v0 = warpgroup_mma_wait(num_outstanding=1, deps=[acc0, v0])
+            acc2, v2 = _pv(kc, 2, p_smem, acc2 * alpha_o, IS_FP8, v_ops)
+            acc1, v1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc1, v1])
+            acc3, v3 = _pv(kc, 3, p_smem, acc3 * alpha_o, IS_FP8, v_ops)
+            acc2, acc3, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc2, acc3, p_smem, kc, v2, v3])
+        else:
+            acc2, v2 = _pv(kc, 2, p_smem, acc2 * alpha_o, IS_FP8, v_ops)
+            acc3, v3 = _pv(kc, 3, p_smem, acc3 * alpha_o, IS_FP8, v_ops)
+            acc0, acc1, acc2, acc3, _, _, _, _, _, _ = warpgroup_mma_wait(
+                num_outstanding=0, deps=[acc0, acc1, acc2, acc3, p_smem, kc, v0, v1, v2, v3])
     async_copy.wait_group(0)
 
     l_i = gl.sum(l_tile, axis=0)
