@@ -2,7 +2,7 @@
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
 #   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench bench-small tune-gemm tune-moe fp8-bench moe-bench e2e-bf16 e2e-fp8 e2e-w8 (vLLM
 #                                         bundle on PYTHONPATH), fp8-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8
-#                                         sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
+#                                         sglang-ct-e2e sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         refmodel (train the reference model; no engine needed),
 #                                         refmodel-eval-vllm refmodel-eval-sglang (its perplexity table, that engine staged)
 # REFMODEL (default /tmp/refmodel): the reference model's directory; CHECKPOINTS: a folder of its
@@ -78,6 +78,11 @@ for step in "$@"; do
       group=${step#sglang-e2e-}
       python3 tests/gpu/sglang_e2e.py --group "$group" --throughput --reuse --workdir /tmp/e2e-sglang \
         --out "$out/$step.json" 2>&1 | tee "$out/$step.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
+    sglang-ct-e2e)  # FP8-block checkpoints: latentspeed_fp8 against SGLang's methods, side by side; then the guard
+      ct=tests/gpu/sglang_ct_e2e.py; engines="sglang-ct sglang-fp8 ours sglang-ct-fp8kv ours-fp8kv"
+      python3 $ct write && { for e in $engines; do OUT=$out python3 $ct engine $e > "$out/sgl-ct-$e.log" 2>&1 & done; wait; } \
+        && for pair in "sglang-ct ours" "sglang-fp8 ours" "sglang-ct sglang-fp8" "sglang-ct sglang-ct-fp8kv" "ours ours-fp8kv"; do
+          OUT=$out python3 $ct compare $pair; done && OUT=$out python3 $ct guard ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "step $step failed rc=$rc"; status=1; }

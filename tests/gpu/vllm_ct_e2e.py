@@ -67,8 +67,9 @@ def run_engine(name: str) -> None:
     print(name, result["methods"], flush=True)
 
 
-def compare(a: str, b: str) -> dict:
-    first, second = (json.loads((OUT / f"ct-{name}.json").read_text()) for name in (a, b))
+def compare_results(path_a: Path, path_b: Path, a: str, b: str) -> dict:
+    """|Δ log-prob| between two engines' result files (``run_engine``'s, or SGLang's twin's)."""
+    first, second = (json.loads(path.read_text()) for path in (path_a, path_b))
     prompt_a, prompt_b = (np.concatenate([np.array(p, float) for p in r["prompt_logprobs"]]) for r in (first, second))
     prefill = np.abs(prompt_a - prompt_b)
     decode = []
@@ -81,7 +82,7 @@ def compare(a: str, b: str) -> dict:
                logprob_mean=float(prompt_a.mean()), logprob_std=float(prompt_a.std()),
                decode_tokens_compared=len(decode), decode_mean=float(np.mean(decode)) if decode else None,
                identical_greedy=sum(x == y for x, y in zip(first["tokens"], second["tokens"])),
-               methods_a=first["methods"], methods_b=second["methods"])
+               methods_a=first.get("methods"), methods_b=second.get("methods"))
     print(json.dumps(row), flush=True)
     return row
 
@@ -97,7 +98,8 @@ def main() -> None:
         run_engine(sys.argv[2])
     elif command == "compare":
         with open(OUT / "ct-compare.jsonl", "a") as f:
-            f.write(json.dumps(compare(sys.argv[2], sys.argv[3])) + "\n")
+            f.write(json.dumps(compare_results(OUT / f"ct-{sys.argv[2]}.json", OUT / f"ct-{sys.argv[3]}.json",
+                                               sys.argv[2], sys.argv[3])) + "\n")
     else:
         raise SystemExit(f"unknown command {command!r}: write, engine NAME or compare A B")
 
