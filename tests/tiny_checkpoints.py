@@ -103,3 +103,35 @@ def dequantized(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """A block-FP8 weight ``[N, K]`` times its ``[cdiv(N, 128), cdiv(K, 128)]`` scales, in fp32."""
     n, k = weight.shape
     return weight.float() * scale.float().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+
+
+def placements(fused_qkv_a: str, experts: str, config: dict = CONFIG):
+    """Where an engine's DeepSeek-V3 puts each checkpoint projection: ``(Hugging Face name, module,
+    expert or None, row offset)``. Engines differ in two names: the fused ``q_a``/``kv_a``
+    projection and the routed experts' module (``fused_qkv_a`` and ``experts``, under a layer)."""
+    q_lora, inter, moe_inter = config["q_lora_rank"], config["intermediate_size"], config["moe_intermediate_size"]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        yield p + "self_attn.q_a_proj", p + fused_qkv_a, None, 0
+        yield p + "self_attn.kv_a_proj_with_mqa", p + fused_qkv_a, None, q_lora
+        for proj in ("q_b_proj", "kv_b_proj", "o_proj"):
+            yield p + f"self_attn.{proj}", p + f"self_attn.{proj}", None, 0
+        dense = i < config["first_k_dense_replace"]
+        for mlp, width in [("mlp", inter)] if dense else [("mlp.shared_experts", moe_inter)]:
+            yield p + f"{mlp}.gate_proj", p + f"{mlp}.gate_up_proj", None, 0
+            yield p + f"{mlp}.up_proj", p + f"{mlp}.gate_up_proj", None, width
+            yield p + f"{mlp}.down_proj", p + f"{mlp}.down_proj", None, 0
+        if not dense:
+            for e in range(config["n_routed_experts"]):
+                yield p + f"mlp.experts.{e}.gate_proj", p + experts + ".w13", e, 0
+                yield p + f"mlp.experts.{e}.up_proj", p + experts + ".w13", e, moe_inter
+                yield p + f"mlp.experts.{e}.down_proj", p + experts + ".w2", e, 0
+
+
+def loaded_block(params: dict, target: str, expert: int | None, offset: int, rows: int, scale_name: str):
+    """The rows ``[offset, offset + rows)`` of a loaded weight (of one expert) and their block scales."""
+    weight, scale = params[f"{target}_weight" if expert is not None else f"{target}.weight"], \
+        params[f"{target}_{scale_name}" if expert is not None else f"{target}.{scale_name}"]
+    if expert is not None:
+        weight, scale = weight[expert], scale[expert]
+    return weight[offset:offset + rows], scale[offset // 128:-(-(offset + rows) // 128)]

@@ -15,7 +15,16 @@ from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from tests.helpers import assert_close
-from tests.tiny_checkpoints import CONFIG, FORMATS, bf16_tensors, dequantized, is_quantized, write_checkpoint
+from tests.tiny_checkpoints import (
+    CONFIG,
+    FORMATS,
+    bf16_tensors,
+    dequantized,
+    is_quantized,
+    loaded_block,
+    placements,
+    write_checkpoint,
+)
 from vllm_plugin.fp8 import (
     NAME,
     LatentspeedCTFp8MoEMethod,
@@ -53,36 +62,6 @@ def engine(hopper_quant, monkeypatch):
     monkeypatch.setenv("VLLM_DISABLE_SHARED_EXPERTS_STREAM", "1")  # its own CUDA stream otherwise
 
 
-# Where vLLM's DeepSeek-V3 puts each checkpoint projection: (module, row offset) per Hugging Face name.
-def placements(config=CONFIG):
-    q_lora, inter, moe_inter = config["q_lora_rank"], config["intermediate_size"], config["moe_intermediate_size"]
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        yield p + "self_attn.q_a_proj", p + "self_attn.fused_qkv_a_proj", None, 0
-        yield p + "self_attn.kv_a_proj_with_mqa", p + "self_attn.fused_qkv_a_proj", None, q_lora
-        for proj in ("q_b_proj", "kv_b_proj", "o_proj"):
-            yield p + f"self_attn.{proj}", p + f"self_attn.{proj}", None, 0
-        dense = i < config["first_k_dense_replace"]
-        for mlp, width in [("mlp", inter)] if dense else [("mlp.shared_experts", moe_inter)]:
-            yield p + f"{mlp}.gate_proj", p + f"{mlp}.gate_up_proj", None, 0
-            yield p + f"{mlp}.up_proj", p + f"{mlp}.gate_up_proj", None, width
-            yield p + f"{mlp}.down_proj", p + f"{mlp}.down_proj", None, 0
-        if not dense:
-            for e in range(config["n_routed_experts"]):
-                experts = p + "mlp.experts.routed_experts"
-                yield p + f"mlp.experts.{e}.gate_proj", experts + ".w13", e, 0
-                yield p + f"mlp.experts.{e}.up_proj", experts + ".w13", e, moe_inter
-                yield p + f"mlp.experts.{e}.down_proj", experts + ".w2", e, 0
-
-
-def loaded_block(params, target, expert, offset, rows, scale_name):
-    weight, scale = params[f"{target}_weight" if expert is not None else f"{target}.weight"], \
-        params[f"{target}_{scale_name}" if expert is not None else f"{target}.{scale_name}"]
-    if expert is not None:
-        weight, scale = weight[expert], scale[expert]
-    return weight[offset:offset + rows], scale[offset // 128:-(-(offset + rows) // 128)]
-
-
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_each_format_loads_through_vllms_model_loader(engine, tmp_path, fmt):
     original = bf16_tensors()
@@ -96,7 +75,7 @@ def test_each_format_loads_through_vllms_model_loader(engine, tmp_path, fmt):
     assert {type(m.quant_method) for m in model.modules() if type(m).__name__ == "RoutedExperts"} == {moe_method}
     params = dict(model.named_parameters())
     scale_name = FORMATS[fmt][0] or "weight_scale_inv"
-    for source, target, expert, offset in placements():
+    for source, target, expert, offset in placements("self_attn.fused_qkv_a_proj", "mlp.experts.routed_experts"):
         checkpoint = written[f"{source}.weight"]
         weight, scale = loaded_block(params, target, expert, offset, checkpoint.shape[0], scale_name)
         if fmt == "bf16":  # quantized while loading: within fp8's rounding of the original
