@@ -9,6 +9,9 @@
 - ``LatentspeedFp8Config`` as the quantization method ``latentspeed_fp8``
   (``--quantization latentspeed_fp8``; ``vllm_plugin/fp8.py``).
 
+A second entry point, ``vllm.logits_processors``, installs ``vllm_plugin.guard.Fp8GuardStep``,
+which steps the fp8 guard once per engine step.
+
 The backends are registered by path, so they are imported only when vLLM selects them; the
 quantization registry takes the class itself.
 """

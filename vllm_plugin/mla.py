@@ -45,6 +45,7 @@ from common_kernels.mla import (
 from common_kernels.mla.support import SUPPORTED_BLOCK_SIZES
 
 from .fp8 import NAME as FP8_METHOD
+from .guard import steps_every_engine_step
 
 _CACHE_DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -166,7 +167,9 @@ class LatentspeedMLAMetadataBuilder(MLACommonMetadataBuilder[LatentspeedMLAMetad
         self._sm90 = sm90_kernels_apply(device, self._cache_dtype, self.page_size, self.mla_dims.kv_lora_rank,
                                         self.mla_dims.qk_rope_head_dim)
         # One host read every check_every steps covers the cache writes and latentspeed_fp8's linears.
-        self._fp8_guard = fp8_guard(device) if fp8_cache or quantized else None
+        # Where vLLM builds vllm_plugin.guard's logits processor, that steps the guard; here otherwise.
+        self._fp8_guard = (fp8_guard(device) if (fp8_cache or quantized) and not steps_every_engine_step(vllm_config)
+                           else None)
         self._reserve_decode_workspace()
 
     def _reserve_decode_workspace(self) -> None:
