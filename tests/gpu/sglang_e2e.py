@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from vllm_e2e import GEN_TOKENS, driver, parse_args, prompts
+from vllm_e2e import GEN_TOKENS, driver, parse_args, prompts, timed_passes
 
 ENGINES = {
     # name: (attention backend, kv-cache dtype, page size (None keeps SGLang's default), quantization)
@@ -93,20 +93,20 @@ def score(engine, sequences):
 
 
 def throughput(engine, num_requests, prompt_len, out_len, seed):
-    batch = prompts(seed, num_requests, prompt_len, prompt_len)
-    engine.generate(input_ids=batch[:2], sampling_params={"max_new_tokens": 4, "ignore_eos": True})  # warm-up
-    first = prompts(seed + 1, num_requests, prompt_len, prompt_len)
-    t0 = time.perf_counter()
-    engine.generate(input_ids=first, sampling_params={"max_new_tokens": 1, "ignore_eos": True})
-    prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    engine.generate(input_ids=batch, sampling_params={"max_new_tokens": out_len, "ignore_eos": True})
-    total_s = time.perf_counter() - t0
-    return {
-        "requests": num_requests, "prompt_len": prompt_len, "output_len": out_len, "total_s": total_s,
-        "prefill_s": prefill_s, "output_tok_s": num_requests * out_len / total_s,
-        "decode_tok_s_est": num_requests * (out_len - 1) / max(total_s - prefill_s, 1e-9),
-    }
+    def batch(s):
+        return prompts(s, num_requests, prompt_len, prompt_len)
+
+    engine.generate(input_ids=batch(seed + 99), sampling_params={"max_new_tokens": 16, "ignore_eos": True})  # warm-up
+
+    def run_pass(i):
+        t0 = time.perf_counter()
+        engine.generate(input_ids=batch(seed + 2 * i + 1), sampling_params={"max_new_tokens": 1, "ignore_eos": True})
+        prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        engine.generate(input_ids=batch(seed + 2 * i), sampling_params={"max_new_tokens": out_len, "ignore_eos": True})
+        return prefill_s, time.perf_counter() - t0
+
+    return timed_passes(run_pass, num_requests, prompt_len, out_len)
 
 
 def worker(args):

@@ -12,7 +12,8 @@ random weights at init scale, saved as safetensors), then, one engine per proces
 - prefix caching: the latentspeed engine decodes the same prompts twice; the second pass
   reads the cached prefix, through the chunked-context prefill path.
 - throughput: 64 requests x 1024 prompt tokens x 128 output tokens, and 16 requests x 16k
-  prompt tokens x 128 output tokens, with full CUDA graphs for decode.
+  prompt tokens x 128 output tokens, with full CUDA graphs for decode; the median of three
+  passes on fresh prompts, each pass kept in the report.
 
     python tests/gpu/vllm_e2e.py --group bf16 --workdir /tmp/e2e --out results.json
 
@@ -115,25 +116,38 @@ def score(llm, sequences):
     return scored
 
 
+PASSES = 3  # timed passes per throughput case; single passes stalled now and then (2026-11-30)
+
+
+def timed_passes(run_pass, num_requests, prompt_len, out_len) -> dict:
+    """The median of ``PASSES`` passes of ``run_pass(i) -> (prefill_s, total_s)``, each pass on
+    fresh prompts (no prefix-cache hits), with every pass kept."""
+    passes = []
+    for i in range(PASSES):
+        prefill_s, total_s = run_pass(i)
+        passes.append({"total_s": total_s, "prefill_s": prefill_s, "output_tok_s": num_requests * out_len / total_s,
+                       "decode_tok_s_est": num_requests * (out_len - 1) / max(total_s - prefill_s, 1e-9)})
+    median = sorted(passes, key=lambda p: p["total_s"])[len(passes) // 2]
+    return {"requests": num_requests, "prompt_len": prompt_len, "output_len": out_len, **median, "passes": passes}
+
+
 def throughput(llm, num_requests, prompt_len, out_len, seed):
     from vllm import SamplingParams, TokensPrompt
 
-    batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(seed, num_requests, prompt_len, prompt_len)]
-    warm = [TokensPrompt(prompt_token_ids=p) for p in prompts(seed + 2, num_requests, prompt_len, prompt_len)]
-    llm.generate(warm, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)  # every batch size once
-    first = [TokensPrompt(prompt_token_ids=p) for p in prompts(seed + 1, num_requests, prompt_len, prompt_len)]
-    t0 = time.perf_counter()
-    llm.generate(first, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
-    prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    llm.generate(batch, SamplingParams(max_tokens=out_len, ignore_eos=True), use_tqdm=False)
-    total_s = time.perf_counter() - t0
-    decode_s = max(total_s - prefill_s, 1e-9)
-    return {
-        "requests": num_requests, "prompt_len": prompt_len, "output_len": out_len, "total_s": total_s,
-        "prefill_s": prefill_s, "output_tok_s": num_requests * out_len / total_s,
-        "decode_tok_s_est": num_requests * (out_len - 1) / decode_s,
-    }
+    def batch(s):
+        return [TokensPrompt(prompt_token_ids=p) for p in prompts(s, num_requests, prompt_len, prompt_len)]
+
+    llm.generate(batch(seed + 99), SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)  # every batch size once
+
+    def run_pass(i):
+        t0 = time.perf_counter()
+        llm.generate(batch(seed + 2 * i + 1), SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+        prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        llm.generate(batch(seed + 2 * i), SamplingParams(max_tokens=out_len, ignore_eos=True), use_tqdm=False)
+        return prefill_s, time.perf_counter() - t0
+
+    return timed_passes(run_pass, num_requests, prompt_len, out_len)
 
 
 def worker(args):
