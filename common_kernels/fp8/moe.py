@@ -12,7 +12,10 @@ Work split: the ``T * k`` (token, slot) pairs are sorted by expert and each expe
 ``BLOCK_M`` rows (``align_by_expert``, static shapes, so CUDA graphs can capture it), and each
 program multiplies one ``BLOCK_M`` run of one expert by a ``BLOCK_N`` slice of that expert's
 weights, block scales applied per 128-wide K block as in ``block_scaled_gemm``. The first GEMM
-computes the gate and up slices together and stores ``silu(gate) * up`` (bf16) only; the second
+computes the gate and up slices together and stores ``silu(gate) * up`` only: where its tiles hold
+whole 128-column groups (``BLOCK_N`` a multiple of 128) already quantized for the second GEMM, in
+its epilogue (the values x's dtype would hold, then ``quantize_per_token_group``'s arithmetic, bit
+for bit), else in x's dtype for ``quantize_per_token_group``; the second
 multiplies by the routing weight before storing each slot's output in x's dtype, and the ``k``
 slots of a token are then summed with fp32 accumulation (as vLLM's ``moe_sum``: half the bytes of
 fp32 slot outputs; at DeepSeek-V3 sizes and 4096 tokens the fp32 version's sum took 270 us).
@@ -25,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8_format import FP8_DTYPES
+from ..fp8_format import FP8_DTYPES, fp8_grid, round_to_fp8_grid
 from .gemm import SCALE_BLOCK, nearest_tuned, tuned_table
-from .quant import quantize_per_token_group
+from .quant import QUANT_EPS, quantize_per_token_group
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 16 if _INTERPRET else 64
@@ -168,13 +171,19 @@ def append_shared_experts(topk_ids: torch.Tensor, topk_weights: torch.Tensor, fi
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr,
-    num_pairs, N, K, stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, stats_ptr, sorted_ids_ptr, block_expert_ptr,
+    weights_ptr, num_pairs, N, K, stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
+    stride_csm, eps,
     ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    QUANT_OUT: tl.constexpr, MID_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
+    MIN_EXP: tl.constexpr, TRACK_STATS: tl.constexpr,
 ):
     """One ``BLOCK_M`` run of one expert times a ``BLOCK_N`` slice of its weights. ``GATED``: the
-    weights are ``[gate; up]`` (``2N`` rows) and the output is ``silu(gate) * up`` (``N`` columns)."""
+    weights are ``[gate; up]`` (``2N`` rows) and the output is ``silu(gate) * up`` (``N`` columns).
+    ``QUANT_OUT`` (``BLOCK_N`` a multiple of ``BLOCK_K``): the output is stored as ``MID_DTYPE`` would
+    hold it, quantized per row and ``BLOCK_K`` columns (``c_ptr`` fp8, ``c_scale_ptr`` fp32), as
+    ``quantize_per_token_group`` would quantize the stored intermediate."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -206,7 +215,32 @@ def _moe_gemm_kernel(
     if APPLY_WEIGHT:
         acc *= tl.load(weights_ptr + pair, mask=mask_m, other=0.0)[:, None]
     c = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    mask_c = mask_m[:, None] & mask_n[None, :]
+    if QUANT_OUT:
+        groups = pid_n * (BLOCK_N // BLOCK_K) + tl.arange(0, BLOCK_N // BLOCK_K)
+        _store_group_quantized(acc.to(MID_DTYPE).to(tl.float32), c, mask_c,
+                               c_scale_ptr + pair.to(tl.int64)[:, None] * stride_csm + groups[None, :],
+                               mask_m[:, None] & (groups * BLOCK_K < N)[None, :], stats_ptr, eps, BLOCK_M, BLOCK_N,
+                               BLOCK_K, FP8_MAX, MANT_BITS, MIN_EXP, TRACK_STATS)
+    else:
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
+
+
+@triton.jit
+def _store_group_quantized(h, c, mask_c, scales, mask_scales, stats_ptr, eps, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
+                           MIN_EXP: tl.constexpr, TRACK_STATS: tl.constexpr):
+    """``h [BLOCK_M, BLOCK_N]`` (fp32, zero where masked) to fp8 at ``c``, one scale per row and
+    ``GROUP`` columns at ``scales [BLOCK_M, BLOCK_N // GROUP]``: ``_group_quant_kernel``'s arithmetic."""
+    grouped = tl.reshape(h, [BLOCK_M, BLOCK_N // GROUP, GROUP])
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(grouped), 2), eps), FP8_MAX)
+    y = round_to_fp8_grid(tl.minimum(tl.maximum(tl.math.div_rn(grouped, scale[:, :, None]), -FP8_MAX), FP8_MAX),
+                          MANT_BITS, MIN_EXP)
+    tl.store(c, tl.reshape(y, [BLOCK_M, BLOCK_N]).to(c.dtype.element_ty), mask=mask_c)
+    tl.store(scales, scale, mask=mask_scales)
+    if TRACK_STATS:
+        nonfinite = tl.sum(tl.sum(((h != h) | (tl.abs(h) == float("inf"))) & mask_c, 1), 0)
+        tl.atomic_add(stats_ptr + 1, nonfinite.to(tl.int32))
 
 
 @triton.jit
@@ -219,17 +253,27 @@ def _block_dot(a, a_s, b_expert, bs_expert, rows, mask_rows, offs_k, mask_k, kb,
     return tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
 
 
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
 def _moe_gemm(a, a_scale, b, b_scale, out, sorted_ids, block_expert, weights, rows_per_a, gated, apply_weight,
-              launch: dict):
+              launch: dict, out_scale=None, mid_dtype=None, stats=None):
+    """``out_scale`` given: ``out`` (fp8) and ``out_scale`` take the output quantized per 128 columns,
+    rounded to ``mid_dtype`` first."""
     n, k = out.shape[1], b.shape[2]
+    quant_out = out_scale is not None
+    mant_bits, min_exp, fp8_max = fp8_grid(out.dtype) if quant_out else (0, 0, 0.0)
     # Runs are contiguous from block 0 and every run holds at least one of the out.shape[0] pairs, so
     # no later block has work: with few tokens this skips most of the E * (BLOCK_M - 1) padding blocks.
     grid = (min(block_expert.shape[0], out.shape[0]), triton.cdiv(n, launch["BLOCK_N"]))
     _moe_gemm_kernel[grid](
-        a, a_scale, b, b_scale, out, sorted_ids, block_expert, weights, out.shape[0], n, k, a.stride(0),
-        a_scale.stride(0), b.stride(0), b.stride(1), b_scale.stride(0), b_scale.stride(1), out.stride(0),
-        ROWS_PER_A=rows_per_a, GATED=gated, APPLY_WEIGHT=apply_weight,
+        a, a_scale, b, b_scale, out, out_scale if quant_out else out, stats if stats is not None else a_scale,
+        sorted_ids, block_expert, weights, out.shape[0], n, k, a.stride(0), a_scale.stride(0), b.stride(0),
+        b.stride(1), b_scale.stride(0), b_scale.stride(1), out.stride(0), out_scale.stride(0) if quant_out else 0,
+        QUANT_EPS, ROWS_PER_A=rows_per_a, GATED=gated, APPLY_WEIGHT=apply_weight,
         BLOCK_M=sorted_ids.shape[0] // block_expert.shape[0], BLOCK_N=launch["BLOCK_N"], BLOCK_K=SCALE_BLOCK,
+        QUANT_OUT=quant_out, MID_DTYPE=_TL_DTYPES[mid_dtype] if quant_out else tl.float32, FP8_MAX=fp8_max,
+        MANT_BITS=mant_bits, MIN_EXP=min_exp, TRACK_STATS=quant_out and stats is not None,
         num_warps=launch["num_warps"], num_stages=launch["num_stages"],
     )
 
@@ -290,11 +334,19 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     sorted_ids, block_expert = align_by_expert(ids, experts, config["BLOCK_M"])
     weights = topk_weights.flatten().float().contiguous()
     a, a_scale = quantize_per_token_group(x.contiguous(), SCALE_BLOCK, stats=stats)
-    # silu(gate) * up, fused into the first GEMM; rows of left-out pairs are never written.
-    hidden_act = (x.new_zeros if expert_map is not None else x.new_empty)(tokens * top_k, two_i // 2)
-    _moe_gemm(a, a_scale, w13, w13_scale, hidden_act, sorted_ids, block_expert, weights, top_k, True, False,
-              config["gate_up"])
-    h, h_scale = quantize_per_token_group(hidden_act, SCALE_BLOCK, stats=stats)
+    # silu(gate) * up, fused into the first GEMM, and with it the intermediate's quantization where a
+    # tile holds whole 128-column groups. Rows of left-out pairs are never written (nor read).
+    pairs, inter = tokens * top_k, two_i // 2
+    if config["gate_up"]["BLOCK_N"] % SCALE_BLOCK == 0:
+        h = torch.empty(pairs, inter, dtype=torch.float8_e4m3fn, device=x.device)
+        h_scale = torch.empty(pairs, triton.cdiv(inter, SCALE_BLOCK), dtype=torch.float32, device=x.device)
+        _moe_gemm(a, a_scale, w13, w13_scale, h, sorted_ids, block_expert, weights, top_k, True, False,
+                  config["gate_up"], out_scale=h_scale, mid_dtype=x.dtype, stats=stats)
+    else:  # the unquantized intermediate's left-out rows are zeros, since the quantizer reads every row
+        hidden_act = (x.new_zeros if expert_map is not None else x.new_empty)(pairs, inter)
+        _moe_gemm(a, a_scale, w13, w13_scale, hidden_act, sorted_ids, block_expert, weights, top_k, True, False,
+                  config["gate_up"])
+        h, h_scale = quantize_per_token_group(hidden_act, SCALE_BLOCK, stats=stats)
     down = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     _moe_gemm(h, h_scale, w2, w2_scale, down, sorted_ids, block_expert, weights, 1, False, True, config["down"])
     down = down.view(tokens, top_k, hidden)

@@ -20,6 +20,7 @@ import triton.language as tl
 from ..fp8_format import FP8_DTYPES, fp8_grid, round_to_fp8_grid
 
 
+QUANT_EPS = 1e-10  # the default floor of a group's absolute maximum
 GROUP_BLOCK_ROWS = 16  # rows per program of the group quantizer
 
 
@@ -69,7 +70,7 @@ def quantize_per_token_group(
     group_size: int = 128,
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
     pow2_scale: bool = False,
-    eps: float = 1e-10,
+    eps: float = QUANT_EPS,
     stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize each ``group_size`` columns of each row of ``x`` to fp8 with its own scale.
@@ -138,7 +139,7 @@ def quantize_per_token(
     x: torch.Tensor,
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
     pow2_scale: bool = False,
-    eps: float = 1e-10,
+    eps: float = QUANT_EPS,
     stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize each row of ``x [M, K]`` (any K) to fp8 with one scale per row.
@@ -186,7 +187,7 @@ def _weight_block_quant_kernel(
 
 
 def quantize_weight_blocks(
-    w: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, block: int = 128, eps: float = 1e-10,
+    w: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, block: int = 128, eps: float = QUANT_EPS,
     stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a weight ``[N, K]`` to fp8 with one scale per ``block x block`` tile::

@@ -74,6 +74,11 @@ LAUNCHES = {
                                "down": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1}},
     "untuned_few_rows": untuned_config(1),
     "untuned_many_rows": untuned_config(100),
+    # gate/up tiles of whole 128-column groups: the intermediate is quantized in the GEMM's epilogue
+    "quantizing_epilogue": {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1},
+                            "down": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1}},
+    "quantizing_epilogue_two_groups": {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 256, "num_warps": 4, "num_stages": 1},
+                                       "down": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1}},
 }
 
 
@@ -94,7 +99,35 @@ def test_fused_moe_matches_reference(tokens, launch):
     assert_close(out, expected, atol=2e-2, rtol=2e-2, name="moe out")
 
 
-def test_expert_parallel_rank_computes_its_own_experts_only():
+def moe_inputs(tokens, routed=4, hidden=256, inter=192, top_k=2):
+    w13, s13 = expert_weights(routed, 2 * inter, hidden, 0.05)
+    w2, s2 = expert_weights(routed, hidden, inter, 0.05)
+    weights, ids = torch.softmax(torch.randn(tokens, routed), -1).topk(top_k, dim=-1)
+    return torch.randn(tokens, hidden, dtype=torch.bfloat16), w13, s13, w2, s2, weights, ids
+
+
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_quantizing_epilogue_is_the_separate_quantizer_bit_for_bit(block_n):
+    """The same intermediate, quantized in the gate/up GEMM's epilogue or stored in bf16 and quantized
+    by ``quantize_per_token_group`` (64-wide tiles): the same output, and the same non-finite count
+    (an infinite weight scale in one expert makes its rows of the intermediate non-finite)."""
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(tokens=21)
+    split = {"BLOCK_M": 16, "down": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1},
+             "gate_up": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1}}
+    fused = dict(split, gate_up=dict(split["gate_up"], BLOCK_N=block_n))
+    outs = [fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=c) for c in (fused, split)]
+    assert torch.equal(outs[0], outs[1])
+    s13[2, 0, 0] = float("inf")
+    counts = []
+    for config in (fused, split):
+        stats = torch.zeros(2, dtype=torch.int32)
+        fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=config, stats=stats)
+        counts.append(stats.tolist())
+    assert counts[0] == counts[1] and counts[0][1] > 0
+
+
+@pytest.mark.parametrize("launch", ["default", "quantizing_epilogue"])
+def test_expert_parallel_rank_computes_its_own_experts_only(launch):
     """Six global experts, three on this rank: pairs routed elsewhere contribute nothing, and the
     rows they leave unwritten are not quantized as garbage (the guard stays at zero)."""
     hidden, inter, top_k, tokens = 128, 128, 3, 9
@@ -105,7 +138,8 @@ def test_expert_parallel_rank_computes_its_own_experts_only():
     weights, ids = torch.softmax(torch.randn(tokens, 6), -1).topk(top_k, dim=-1)
     ids[0] = torch.tensor([0, 2, 5])  # token 0: every expert elsewhere
     stats = torch.zeros(2, dtype=torch.int32)
-    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, stats=stats, expert_map=expert_map)
+    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, stats=stats, expert_map=expert_map,
+                        config=LAUNCHES[launch])
     expected = fused_moe_fp8_ref(x, w13, s13, w2, s2, weights, ids, expert_map=expert_map)
     assert_close(out, expected, atol=2e-2, rtol=2e-2, name="ep out")
     assert torch.equal(out[0], torch.zeros(hidden, dtype=out.dtype)) and stats.tolist() == [0, 0]
