@@ -33,14 +33,13 @@ Files go to ``$OUT`` (default ``./gpu-out``).
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from tests.gpu.vllm_ct_e2e import compare_results  # noqa: E402
+from tests.gpu.vllm_ct_e2e import compare_results, expect_guard_stop  # noqa: E402
 from tests.gpu.vllm_e2e import prompts  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "gpu-out"))
@@ -104,23 +103,6 @@ def guard_child() -> None:
     print("[guard] the engine decoded every token without stopping", flush=True)
 
 
-def guard() -> int:
-    try:
-        child = subprocess.run([sys.executable, __file__, "guard-child"], capture_output=True, text=True, timeout=400,
-                               env=dict(os.environ, LATENTSPEED_FP8_GUARD="raise"))
-        returncode, log = child.returncode, child.stdout + child.stderr
-    except subprocess.TimeoutExpired as hung:  # an engine that neither stops nor finishes fails too
-        returncode, log = None, f"timed out after {hung.timeout} s"
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "sgl-guard.log").write_text(log)
-    lines = [line for line in log.splitlines() if "Fp8NumericsError" in line or "fp8 guard" in line]
-    stopped = returncode not in (0, None) and bool(lines)
-    row = {"returncode": returncode, "stopped_by_guard": stopped, "guard_lines": lines[:4]}
-    (OUT / "sgl-guard.json").write_text(json.dumps(row))
-    print(json.dumps(row), flush=True)
-    return 0 if stopped else 1
-
-
 def main() -> None:
     command = sys.argv[1]
     if command == "write":
@@ -133,7 +115,7 @@ def main() -> None:
         with open(OUT / "sgl-ct-compare.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
     elif command == "guard":
-        raise SystemExit(guard())
+        raise SystemExit(expect_guard_stop(__file__, "sgl-guard"))
     elif command == "guard-child":
         os.environ.setdefault("SGLANG_LOGGING_LEVEL", "WARNING")
         guard_child()

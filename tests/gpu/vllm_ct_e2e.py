@@ -13,12 +13,19 @@ the first token where the two differ.
     python3 tests/gpu/vllm_ct_e2e.py write
     python3 tests/gpu/vllm_ct_e2e.py engine ours          # also vllm-ct, ours-fp8kv, vllm-ct-fp8kv
     python3 tests/gpu/vllm_ct_e2e.py compare vllm-ct ours
+    python3 tests/gpu/vllm_ct_e2e.py guard
+
+``guard`` starts vLLM with FLASHMLA and ``--quantization latentspeed_fp8`` on a bf16 checkpoint with a
+NaN in one norm weight, under ``LATENTSPEED_FP8_GUARD=raise`` and CUDA graphs, in a child process,
+and decodes 320 tokens: the engine must stop with ``Fp8NumericsError`` (exit status 1 here
+otherwise), read by the logits processor of ``vllm_plugin/guard.py`` since FLASHMLA does not.
 
 Files go to ``$OUT`` (default ``./gpu-out``); the checkpoint to ``/tmp/ct-tiny``.
 """
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +33,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKPOINT = Path("/tmp/ct-tiny")
+NAN_CHECKPOINT = Path("/tmp/nan-tiny")
+GUARD_TOKENS = 320  # more forward passes than the guard's 256 between reads
 OUT = Path(os.environ.get("OUT", "gpu-out"))
 ENGINES = {  # name: (quantization, attention backend, MLA prefill backend, kv-cache dtype)
     "vllm-ct": (None, "FLASHMLA", None, "auto"),
@@ -87,6 +96,46 @@ def compare_results(path_a: Path, path_b: Path, a: str, b: str) -> dict:
     return row
 
 
+def expect_guard_stop(script: str, name: str) -> int:
+    """Run ``script guard-child`` under ``LATENTSPEED_FP8_GUARD=raise``; 0 if the engine stopped with
+    ``Fp8NumericsError``, 1 if it finished or hung. Its log and a JSON row go to ``$OUT/name.*``."""
+    try:
+        child = subprocess.run([sys.executable, script, "guard-child"], capture_output=True, text=True, timeout=400,
+                               env=dict(os.environ, LATENTSPEED_FP8_GUARD="raise"))
+        returncode, log = child.returncode, child.stdout + child.stderr
+    except subprocess.TimeoutExpired as hung:  # an engine that neither stops nor finishes fails too
+        returncode, log = None, f"timed out after {hung.timeout} s"
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{name}.log").write_text(log)
+    lines = [line for line in log.splitlines() if "Fp8NumericsError" in line or "fp8 guard" in line]
+    stopped = returncode not in (0, None) and bool(lines)
+    row = {"returncode": returncode, "stopped_by_guard": stopped, "guard_lines": lines[:4]}
+    (OUT / f"{name}.json").write_text(json.dumps(row))
+    print(json.dumps(row), flush=True)
+    return 0 if stopped else 1
+
+
+def guard_child() -> None:
+    """vLLM's own attention (FLASHMLA) with latentspeed_fp8's linears on a copy of the bf16 checkpoint
+    whose layer-1 ``input_layernorm`` holds a NaN: the activations quantized after it are non-finite.
+    Only the logits processor of ``vllm_plugin.guard`` reads the guard here."""
+    sys.path.insert(0, str(REPO))
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    from tests.gpu.vllm_e2e import prompts
+    from tests.tiny_checkpoints import bf16_tensors, write_checkpoint
+
+    tensors = bf16_tensors()
+    tensors["model.layers.1.input_layernorm.weight"][5] = float("nan")
+    write_checkpoint(NAN_CHECKPOINT, "bf16", tensors)
+    llm = LLM(model=str(NAN_CHECKPOINT), quantization="latentspeed_fp8", skip_tokenizer_init=True, dtype="bfloat16",
+              block_size=64, max_model_len=2048, gpu_memory_utilization=0.3, seed=0,
+              attention_config={"backend": "FLASHMLA"})
+    llm.generate([TokensPrompt(prompt_token_ids=prompts(1, 1, 64, 64, vocab=1024)[0])],
+                 SamplingParams(temperature=0.0, max_tokens=GUARD_TOKENS, ignore_eos=True), use_tqdm=False)
+    print("[guard] the engine decoded every token without stopping", flush=True)
+
+
 def main() -> None:
     command = sys.argv[1]
     if command == "write":
@@ -96,12 +145,16 @@ def main() -> None:
         write_checkpoint(CHECKPOINT, "compressed_tensors")
     elif command == "engine":
         run_engine(sys.argv[2])
+    elif command == "guard":
+        raise SystemExit(expect_guard_stop(__file__, "vllm-guard"))
+    elif command == "guard-child":
+        guard_child()
     elif command == "compare":
         with open(OUT / "ct-compare.jsonl", "a") as f:
             f.write(json.dumps(compare_results(OUT / f"ct-{sys.argv[2]}.json", OUT / f"ct-{sys.argv[3]}.json",
                                                sys.argv[2], sys.argv[3])) + "\n")
     else:
-        raise SystemExit(f"unknown command {command!r}: write, engine NAME or compare A B")
+        raise SystemExit(f"unknown command {command!r}: write, engine NAME, compare A B or guard")
 
 
 if __name__ == "__main__":
