@@ -1,0 +1,27 @@
+"""The A/B tool loads a revision's sm_90 decode kernels beside the working tree's and swaps them in
+and out of ``mla_decode`` (timing needs a GPU; loading and swapping do not)."""
+
+import subprocess
+
+from benchmarks import mla_decode_ab
+from common_kernels.mla import decode_sm90, decode_sm90_narrow
+
+
+def test_a_revisions_kernels_load_beside_ours_and_swap():
+    first = subprocess.run(["git", "rev-list", "--max-parents=0", "HEAD"], cwd=mla_decode_ab.REPO, check=True,
+                           capture_output=True, text=True).stdout.split()[0]
+    revision = subprocess.run(["git", "log", "-1", "--format=%H", "--", "common_kernels/mla/decode_sm90_narrow.py"],
+                              cwd=mla_decode_ab.REPO, check=True, capture_output=True, text=True).stdout.strip()
+    assert revision != first
+    ours = (decode_sm90.mla_decode_split_kernel_sm90, decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow)
+    base = mla_decode_ab.load_revision(f"{revision}~1")
+    assert base["decode_sm90_narrow"].V_CHUNK is base["decode_sm90"].V_CHUNK  # the revision's own 64-row module
+    theirs = (base["decode_sm90"].mla_decode_split_kernel_sm90,
+              base["decode_sm90_narrow"].mla_decode_split_kernel_sm90_narrow)
+    assert "warpgroup_mma" in theirs[1].src and theirs[1].src != ours[1].src  # an older kernel, its source readable
+    mla_decode_ab.use(base)
+    try:
+        assert (decode_sm90.mla_decode_split_kernel_sm90, decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow) == theirs
+    finally:
+        mla_decode_ab.use(None)
+    assert (decode_sm90.mla_decode_split_kernel_sm90, decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow) == ours
