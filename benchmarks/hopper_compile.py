@@ -41,9 +41,11 @@ class HopperReport:
     async_copies: int  # cp.async copies the software pipeliner made (ttgir ops)
     mma_layouts: tuple[str, ...]  # warpsPerCTA and instrShape of each MMA layout
     wgmma_serialized: bool  # ptxas C7511: it waits after every wgmma, short of registers for the pipeline
+    shared_bytes: int  # shared memory a program takes (sm_90 gives a block at most 227 KiB)
 
     def line(self) -> str:
-        return (f"registers {self.registers}, spills {self.spill_bytes} B, wgmma {self.wgmma}"
+        return (f"registers {self.registers}, spills {self.spill_bytes} B, shared {self.shared_bytes // 1024} KiB, "
+                f"wgmma {self.wgmma}"
                 f"{' (serialized by ptxas)' if self.wgmma_serialized else ''}, "
                 f"async copies {self.async_copies}, mma layouts {'; '.join(self.mma_layouts) or 'none'}")
 
@@ -82,7 +84,7 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int,
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", verbose))
     layouts = tuple(sorted(set(re.findall(r"warpsPerCTA = \[\d+, \d+\], instrShape = \[[\d, ]+\]", ttgir))))
     return HopperReport(registers, spills, ptx.count("wgmma.mma_async"), ttgir.count("async_copy_global_to_local"),
-                        layouts, "wgmma.mma_async instructions are serialized" in verbose)
+                        layouts, "wgmma.mma_async instructions are serialized" in verbose, compiled.metadata.shared)
 
 
 def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 64, varlen: bool = False,
@@ -104,7 +106,8 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
         kernel, block_n, num_warps = decode_sm90.mla_decode_split_kernel_sm90, decode_sm90.BLOCK_N, decode_sm90.NUM_WARPS
         extra = dict(NUM_BUFS=decode_sm90.NUM_BUFS)
     elif module is not None:
-        kernel, block_n, num_warps = module.mla_decode_split_kernel_sm90_narrow, module.BLOCK_N, module.NUM_WARPS
+        kernel, block_n = module.mla_decode_split_kernel_sm90_narrow, module.BLOCK_N
+        num_warps = module.num_warps(plan.block_rows)
         extra = dict(NUM_BUFS=module.NUM_BUFS)
     pointers = dict(q_nope_ptr=torch.bfloat16, q_pe_ptr=torch.bfloat16, cache_ptr=keys_dtype, block_table_ptr=torch.int32,
                     seq_lens_ptr=torch.int32, kv_scale_ptr=torch.float32, tree_mask_ptr=torch.int64,
@@ -140,6 +143,13 @@ def every_kernel_report() -> dict[str, HopperReport]:
                for h in (16, 128) for name, dtype in (("bf16", bf16), ("e4m3", fp8))}
     # 32-row groups (16 heads, 2 tokens): the fp8 kernel's registers are tightest there
     reports["decode, 16 heads, e4m3, 2 tokens"] = decode_report(16, 2, fp8)
+    default_order = decode.SM90_KERNELS  # 64-row groups on the narrow kernel (two warpgroups), as it can be ordered
+    decode.SM90_KERNELS = tuple(reversed(default_order))
+    try:
+        for name, dtype in (("bf16", bf16), ("e4m3", fp8)):
+            reports[f"decode, 128 heads, {name}, narrow kernel"] = decode_report(128, 1, dtype)
+    finally:
+        decode.SM90_KERNELS = default_order
     for h in (16, 128):  # an extend with fresh_kv: the prefix from the fp8 cache, the new rows dense
         reports[f"decode, {h} heads, e4m3, extend prefix"] = decode_report(h, 1, fp8, varlen=True, prefix_only=True)
         reports[f"decode, {h} heads, e4m3, extend own rows"] = decode_report(h, 1, fp8, varlen=True, keys_dense=True)

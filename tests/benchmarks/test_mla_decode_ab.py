@@ -3,8 +3,10 @@ and out of ``mla_decode`` (timing needs a GPU; loading and swapping do not)."""
 
 import subprocess
 
+import torch
+
 from benchmarks import mla_decode_ab
-from common_kernels.mla import decode_sm90, decode_sm90_narrow
+from common_kernels.mla import decode, decode_sm90, decode_sm90_narrow
 
 
 def test_a_revisions_kernels_load_beside_ours_and_swap():
@@ -22,6 +24,9 @@ def test_a_revisions_kernels_load_beside_ours_and_swap():
     mla_decode_ab.use(base)
     try:
         assert (decode_sm90.mla_decode_split_kernel_sm90, decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow) == theirs
+        mla_decode_ab.use(None, narrow_64=True)
+        assert decode.sm90_kernel_for(64, torch.float8_e4m3fn, True, 64, 512, 64) is decode_sm90_narrow
     finally:
         mla_decode_ab.use(None)
     assert (decode_sm90.mla_decode_split_kernel_sm90, decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow) == ours
+    assert decode.sm90_kernel_for(64, torch.float8_e4m3fn, True, 64, 512, 64) is decode_sm90
