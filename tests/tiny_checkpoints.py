@@ -135,3 +135,50 @@ def loaded_block(params: dict, target: str, expert: int | None, offset: int, row
     if expert is not None:
         weight, scale = weight[expert], scale[expert]
     return weight[offset:offset + rows], scale[offset // 128:-(-(offset + rows) // 128)]
+
+
+def assert_loaded_as_written(params: dict, written: dict, original: dict, fmt: str, scale_name: str, fused_qkv_a: str,
+                             experts: str) -> None:
+    """Every checkpoint projection where the engine put it (``placements``' names): bit for bit for
+    the FP8 formats, within fp8 rounding of the original for bf16 (quantized while loading)."""
+    from tests.helpers import assert_close
+
+    for source, target, expert, offset in placements(fused_qkv_a, experts):
+        checkpoint = written[f"{source}.weight"]
+        weight, scale = loaded_block(params, target, expert, offset, checkpoint.shape[0], scale_name)
+        if fmt == "bf16":
+            assert_close(dequantized(weight, scale), original[f"{source}.weight"], atol=2e-3, rtol=7e-2, name=source)
+        else:
+            assert torch.equal(weight.view(torch.uint8), checkpoint.view(torch.uint8)), source
+            assert torch.equal(scale, written[f"{source}.{scale_name}"]), source
+
+
+# Flaws of an FP8 checkpoint, and what latentspeed_fp8's refusal says in either engine.
+FLAWS = {
+    "bf16_expert": r"latentspeed_fp8: model\.layers\.1\.mlp\.experts.* w13 weight: the checkpoint stores "
+                   r"torch\.bfloat16",
+    "missing_scale": r"latentspeed_fp8: model\.layers\.0\.self_attn\.o_proj: the checkpoint has no scale for some",
+}
+
+
+def write_bad_checkpoint(path: Path, fmt: str, flaw: str, config: dict = CONFIG) -> None:
+    """An FP8 checkpoint with one of ``FLAWS``: ``bf16_expert`` (layer 1's expert 2 ``up_proj`` left
+    in bf16) or ``missing_scale`` (no scale for layer 0's ``o_proj``)."""
+    written = write_checkpoint(path, fmt, config=config)
+    if flaw == "bf16_expert":
+        name = "model.layers.1.mlp.experts.2.up_proj.weight"
+        written[name] = written[name].to(torch.bfloat16)
+    elif flaw == "missing_scale":
+        del written[f"model.layers.0.self_attn.o_proj.{FORMATS[fmt][0]}"]
+    else:
+        raise ValueError(f"unknown flaw {flaw!r}")
+    save_file(written, str(path / "model.safetensors"))
+
+
+def assert_unquantized_kept(params: dict, written: dict) -> None:
+    """The tensors no FP8 format quantizes (embeddings, norms, ``lm_head``, the router and its bias)
+    loaded as written."""
+    kept = [name for name in written if not is_quantized(name) and not name.endswith("scale_inv")]
+    assert len(kept) == 13
+    for name in kept:
+        assert torch.equal(params[name].float(), written[name].float()), name

@@ -3,7 +3,8 @@
 Same contract, arguments and partial outputs as ``decode._mla_decode_split_kernel`` (the module
 docstring of ``decode`` has the formula), for the launches it takes: ``BLOCK_R`` of 16 or 32
 rows (one warpgroup), or 64 (two warpgroups of 32 rows side by side over the same tiles, each with
-its own softmax and ``O^T``; ``decode.SM90_KERNELS`` gives 64-row groups to ``decode_sm90`` first), ``D_latent = 512``, ``D_rope = 64``, a paged cache (bf16/fp16, or fp8 with E4M3 queries,
+its own softmax and ``O^T``; ``decode.SM90_KERNELS`` gives 64-row groups to ``decode_sm90``
+first), ``D_latent = 512``, ``D_rope = 64``, a paged cache (bf16/fp16, or fp8 with E4M3 queries,
 ``DecodePlan.fp8_queries``; no dense keys). ``decode.mla_decode`` sends those launches here on an
 sm_90 GPU when the plan was made for it (``plan_decode(..., sm90=True)``).
 
@@ -27,9 +28,10 @@ wgmma's M and the query rows its N (one warpgroup, 4 warps):
 - cache tiles: ``cp.async`` per row into a ring of ``NUM_BUFS`` buffers, as in ``decode_sm90``.
 
 Shared memory at ``BLOCK_N = 64``: bf16 queries 18 KiB (32 rows: 36, 64 rows: 72), two tiles 144
-KiB, one program per multiprocessor (64 rows: 225 KiB in all); fp8 queries 9 KiB (32 rows: 18), two tiles 72 KiB, two programs per
-multiprocessor (``PROGRAMS_PER_SM_FP8``), which hide each other's latencies: measured on the
-H200 (``benchmarks/notes.md``, 2026-12-01, seventh session) 1.25-1.33x faster than one program
+KiB, one program per multiprocessor (64 rows: 225 KiB in all); fp8 queries 9 KiB (32 rows: 18),
+two tiles 72 KiB, two programs per multiprocessor (``PROGRAMS_PER_SM_FP8``; 64 rows: one), which
+hide each other's latencies: measured on the H200 (``benchmarks/notes.md``, 2026-12-01, seventh
+session) 1.25-1.33x faster than one program
 with the widening buffer at one query token.
 """
 

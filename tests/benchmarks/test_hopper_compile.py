@@ -40,8 +40,9 @@ def test_every_kernel_compiles_for_hopper():
     # 64-row groups over a paged cache compile the Gluon kernel: scores split by keys between the
     # two warpgroups ([4, 2] warps, 32-key wgmma), no spills
     for label in ("decode, 128 heads, bf16, narrow kernel", "decode, 128 heads, e4m3, narrow kernel"):
-        assert reports[label]["spill_bytes"] == 0 and all(  # two warpgroups side by side along the rows
-            layout.startswith("warpsPerCTA = [4, 2], instrShape = [16, 32,") for layout in reports[label]["mma_layouts"])
+        layouts = reports[label]["mma_layouts"]  # two warpgroups side by side along the rows
+        assert reports[label]["spill_bytes"] == 0
+        assert all(layout.startswith("warpsPerCTA = [4, 2], instrShape = [16, 32,") for layout in layouts), label
     for label in ("decode, 128 heads, bf16", "decode, 128 heads, e4m3", "decode, 128 heads, e4m3, extend prefix"):
         assert reports[label]["spill_bytes"] == 0, label
         assert any(layout.startswith("warpsPerCTA = [4, 2], instrShape = [16, 32,")

@@ -9,13 +9,17 @@ from benchmarks import mla_decode_ab
 from common_kernels.mla import decode, decode_sm90, decode_sm90_narrow
 
 
+def kernels_in_use():
+    return decode_sm90.mla_decode_split_kernel_sm90, decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow
+
+
 def test_a_revisions_kernels_load_beside_ours_and_swap():
     first = subprocess.run(["git", "rev-list", "--max-parents=0", "HEAD"], cwd=mla_decode_ab.REPO, check=True,
                            capture_output=True, text=True).stdout.split()[0]
     revision = subprocess.run(["git", "log", "-1", "--format=%H", "--", "common_kernels/mla/decode_sm90_narrow.py"],
                               cwd=mla_decode_ab.REPO, check=True, capture_output=True, text=True).stdout.strip()
     assert revision != first
-    ours = (decode_sm90.mla_decode_split_kernel_sm90, decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow)
+    ours = kernels_in_use()
     base = mla_decode_ab.load_revision(f"{revision}~1")
     assert base["decode_sm90_narrow"].V_CHUNK is base["decode_sm90"].V_CHUNK  # the revision's own 64-row module
     theirs = (base["decode_sm90"].mla_decode_split_kernel_sm90,
@@ -23,10 +27,10 @@ def test_a_revisions_kernels_load_beside_ours_and_swap():
     assert "warpgroup_mma" in theirs[1].src and theirs[1].src != ours[1].src  # an older kernel, its source readable
     mla_decode_ab.use(base)
     try:
-        assert (decode_sm90.mla_decode_split_kernel_sm90, decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow) == theirs
+        assert kernels_in_use() == theirs
         mla_decode_ab.use(None, narrow_64=True)
         assert decode.sm90_kernel_for(64, torch.float8_e4m3fn, True, 64, 512, 64) is decode_sm90_narrow
     finally:
         mla_decode_ab.use(None)
-    assert (decode_sm90.mla_decode_split_kernel_sm90, decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow) == ours
+    assert kernels_in_use() == ours
     assert decode.sm90_kernel_for(64, torch.float8_e4m3fn, True, 64, 512, 64) is decode_sm90

@@ -137,7 +137,8 @@ def throughput(llm, num_requests, prompt_len, out_len, seed):
     def batch(s):
         return [TokensPrompt(prompt_token_ids=p) for p in prompts(s, num_requests, prompt_len, prompt_len)]
 
-    llm.generate(batch(seed + 99), SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)  # every batch size once
+    # every batch size once
+    llm.generate(batch(seed + 99), SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
 
     def run_pass(i):
         t0 = time.perf_counter()

@@ -19,7 +19,6 @@ pytest.importorskip("sglang")
 
 import sglang.srt.layers.rotary_embedding.base as rotary_base  # noqa: E402
 import sglang.srt.models.deepseek_common.deepseek_weight_loader as deepseek_weight_loader  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.configs.device_config import DeviceConfig  # noqa: E402
 from sglang.srt.configs.load_config import LoadConfig  # noqa: E402
@@ -41,16 +40,8 @@ from sglang_plugin.fp8 import (  # noqa: E402
     LatentspeedFp8MoEMethod,
 )
 from tests.helpers import assert_close  # noqa: E402
-from tests.tiny_checkpoints import (  # noqa: E402
-    CONFIG,
-    FORMATS,
-    bf16_tensors,
-    dequantized,
-    is_quantized,
-    loaded_block,
-    placements,
-    write_checkpoint,
-)
+from tests.tiny_checkpoints import CONFIG, FLAWS, FORMATS, bf16_tensors, dequantized, write_checkpoint  # noqa: E402
+from tests.tiny_checkpoints import assert_loaded_as_written, assert_unquantized_kept, write_bad_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU load stands in for a GPU host")
 
@@ -111,14 +102,8 @@ def test_each_format_loads_through_sglangs_model_loader(gpu_host, tmp_path, fmt)
     assert EXPECTED[fmt] <= methods(model)
     params = dict(model.named_parameters())
     scale_name = SCALE_NAMES[fmt]
-    for source, target, expert, offset in placements("self_attn.fused_qkv_a_proj_with_mqa", "mlp.experts"):
-        checkpoint = written[f"{source}.weight"]
-        weight, scale = loaded_block(params, target, expert, offset, checkpoint.shape[0], scale_name)
-        if fmt == "bf16":  # quantized while loading: within fp8's rounding of the original
-            assert_close(dequantized(weight, scale), original[f"{source}.weight"], atol=2e-3, rtol=7e-2, name=source)
-        else:  # loaded as stored, bit for bit
-            assert torch.equal(weight.view(torch.uint8), checkpoint.view(torch.uint8)), source
-            assert torch.equal(scale, written[f"{source}.{scale_name}"]), source
+    assert_loaded_as_written(params, written, original, fmt, scale_name, "self_attn.fused_qkv_a_proj_with_mqa",
+                             "mlp.experts")
     # Weight absorption: w_kc and w_vc are kv_b_proj's key and value rows per head, dequantized. SGLang
     # absorbs before any process_weights_after_loading, so from a bf16 checkpoint they are its bf16
     # rows (as under SGLang's own fp8), while the kv_b_proj layer (prefill) holds them quantized.
@@ -135,30 +120,16 @@ def test_each_format_loads_through_sglangs_model_loader(gpu_host, tmp_path, fmt)
     assert_close(absorbed.w_vc.float(), values.transpose(1, 2), atol=1e-6, rtol=1e-2, name="w_vc")
 
 
+@pytest.mark.parametrize("flaw", FLAWS)
 @pytest.mark.parametrize("fmt", ["deepseek_fp8", "compressed_tensors"])
-def test_a_bf16_tensor_under_an_fp8_config_stops_the_load_by_name(gpu_host, tmp_path, fmt):
-    written = write_checkpoint(tmp_path, fmt, config=CHECKPOINT_CONFIG)
-    name = "model.layers.1.mlp.experts.2.up_proj.weight"
-    written[name] = written[name].to(torch.bfloat16)
-    save_file(written, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"latentspeed_fp8: model.layers.1.mlp.experts w13 weight: the checkpoint stores torch.bfloat16"):
-        load(tmp_path)
-
-
-@pytest.mark.parametrize("fmt", ["deepseek_fp8", "compressed_tensors"])
-def test_a_missing_scale_stops_the_load_by_name(gpu_host, tmp_path, fmt):
-    written = write_checkpoint(tmp_path, fmt, config=CHECKPOINT_CONFIG)
-    del written[f"model.layers.0.self_attn.o_proj.{SCALE_NAMES[fmt]}"]
-    save_file(written, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"latentspeed_fp8: model.layers.0.self_attn.o_proj: the checkpoint has no "
-                                         "scale for some weight blocks"):
+def test_a_flawed_checkpoint_stops_the_load_by_name(gpu_host, tmp_path, fmt, flaw):
+    """A bf16 tensor under an FP8 config, or a missing scale."""
+    write_bad_checkpoint(tmp_path, fmt, flaw, CHECKPOINT_CONFIG)
+    with pytest.raises(ValueError, match=FLAWS[flaw]):
         load(tmp_path)
 
 
 def test_unquantized_tensors_stay_bf16(gpu_host, tmp_path):
     written = write_checkpoint(tmp_path, "deepseek_fp8", config=CHECKPOINT_CONFIG)
     params = dict(load(tmp_path).named_parameters())
-    kept = [name for name in written if not is_quantized(name) and not name.endswith("scale_inv")]
-    assert len(kept) == 13  # embeddings, norms, lm_head, the router and its bias
-    for name in kept:
-        assert torch.equal(params[name].float(), written[name].float()), name
+    assert_unquantized_kept(params, written)

@@ -7,8 +7,6 @@ layers dequantize ``kv_b_proj`` for weight absorption). Bad checkpoints stop the
 import tempfile
 
 import pytest
-import torch
-from safetensors.torch import save_file
 from vllm.config import AttentionConfig, DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed import cleanup_dist_env_and_memory, init_distributed_environment, initialize_model_parallel
 from vllm.model_executor.layers.linear import LinearBase
@@ -17,12 +15,13 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from tests.helpers import assert_close
 from tests.tiny_checkpoints import (
     CONFIG,
+    FLAWS,
     FORMATS,
+    assert_loaded_as_written,
+    assert_unquantized_kept,
     bf16_tensors,
     dequantized,
-    is_quantized,
-    loaded_block,
-    placements,
+    write_bad_checkpoint,
     write_checkpoint,
 )
 from vllm_plugin.fp8 import (
@@ -75,14 +74,8 @@ def test_each_format_loads_through_vllms_model_loader(engine, tmp_path, fmt):
     assert {type(m.quant_method) for m in model.modules() if type(m).__name__ == "RoutedExperts"} == {moe_method}
     params = dict(model.named_parameters())
     scale_name = FORMATS[fmt][0] or "weight_scale_inv"
-    for source, target, expert, offset in placements("self_attn.fused_qkv_a_proj", "mlp.experts.routed_experts"):
-        checkpoint = written[f"{source}.weight"]
-        weight, scale = loaded_block(params, target, expert, offset, checkpoint.shape[0], scale_name)
-        if fmt == "bf16":  # quantized while loading: within fp8's rounding of the original
-            assert_close(dequantized(weight, scale), original[f"{source}.weight"], atol=2e-3, rtol=7e-2, name=source)
-        else:  # loaded as stored, bit for bit
-            assert torch.equal(weight.view(torch.uint8), checkpoint.view(torch.uint8)), source
-            assert torch.equal(scale, written[f"{source}.{scale_name}"]), source
+    assert_loaded_as_written(params, written, original, fmt, scale_name, "self_attn.fused_qkv_a_proj",
+                             "mlp.experts.routed_experts")
     # MLA's weight absorption dequantized kv_b_proj: W_UV holds its value rows (per head, transposed).
     c = CONFIG
     attention = "model.layers.1.self_attn"
@@ -92,30 +85,16 @@ def test_each_format_loads_through_vllms_model_loader(engine, tmp_path, fmt):
                  atol=1e-6, rtol=1e-2, name="W_UV")
 
 
+@pytest.mark.parametrize("flaw", FLAWS)
 @pytest.mark.parametrize("fmt", ["deepseek_fp8", "compressed_tensors"])
-def test_a_bf16_tensor_under_an_fp8_config_stops_the_load_by_name(engine, tmp_path, fmt):
-    written = write_checkpoint(tmp_path, fmt)
-    name = "model.layers.1.mlp.experts.2.up_proj.weight"
-    written[name] = written[name].to(torch.bfloat16)
-    save_file(written, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"latentspeed_fp8: .*w13 weight: the checkpoint stores torch.bfloat16"):
-        load(tmp_path)
-
-
-@pytest.mark.parametrize("fmt", ["deepseek_fp8", "compressed_tensors"])
-def test_a_missing_scale_stops_the_load_by_name(engine, tmp_path, fmt):
-    written = write_checkpoint(tmp_path, fmt)
-    del written[f"model.layers.0.self_attn.o_proj.{FORMATS[fmt][0]}"]
-    save_file(written, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"latentspeed_fp8: model.layers.0.self_attn.o_proj: the checkpoint has no "
-                                         "scale for some weight blocks"):
+def test_a_flawed_checkpoint_stops_the_load_by_name(engine, tmp_path, fmt, flaw):
+    """A bf16 tensor under an FP8 config, or a missing scale."""
+    write_bad_checkpoint(tmp_path, fmt, flaw)
+    with pytest.raises(ValueError, match=FLAWS[flaw]):
         load(tmp_path)
 
 
 def test_unquantized_tensors_stay_bf16(engine, tmp_path):
     written = write_checkpoint(tmp_path, "deepseek_fp8")
     params = dict(load(tmp_path).named_parameters())
-    kept = [name for name in written if not is_quantized(name) and not name.endswith("scale_inv")]
-    assert len(kept) == 13  # embeddings, norms, lm_head, the router and its bias
-    for name in kept:
-        assert torch.equal(params[name].float(), written[name].float()), name
+    assert_unquantized_kept(params, written)
