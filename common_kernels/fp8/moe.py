@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8_format import FP8_DTYPES, fp8_grid, round_to_fp8_grid
+from ..fp8_format import FP8_DTYPES, fp8_grid
 from .gemm import SCALE_BLOCK, nearest_tuned, tuned_table
-from .quant import QUANT_EPS, quantize_per_token_group
+from .quant import QUANT_EPS, count_nonfinite, quantize_groups, quantize_per_token_group
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 16 if _INTERPRET else 64
@@ -216,31 +216,19 @@ def _moe_gemm_kernel(
         acc *= tl.load(weights_ptr + pair, mask=mask_m, other=0.0)[:, None]
     c = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     mask_c = mask_m[:, None] & mask_n[None, :]
-    if QUANT_OUT:
+    if QUANT_OUT:  # as x's dtype would hold it, then quantize_per_token_group's arithmetic
+        h = acc.to(MID_DTYPE).to(tl.float32)
+        y, scale = quantize_groups(tl.reshape(h, [BLOCK_M, BLOCK_N // BLOCK_K, BLOCK_K]), eps, FP8_MAX, MANT_BITS,
+                                   MIN_EXP, False)
+        tl.store(c, tl.reshape(y, [BLOCK_M, BLOCK_N]).to(c_ptr.dtype.element_ty), mask=mask_c)
         groups = pid_n * (BLOCK_N // BLOCK_K) + tl.arange(0, BLOCK_N // BLOCK_K)
-        _store_group_quantized(acc.to(MID_DTYPE).to(tl.float32), c, mask_c,
-                               c_scale_ptr + pair.to(tl.int64)[:, None] * stride_csm + groups[None, :],
-                               mask_m[:, None] & (groups * BLOCK_K < N)[None, :], stats_ptr, eps, BLOCK_M, BLOCK_N,
-                               BLOCK_K, FP8_MAX, MANT_BITS, MIN_EXP, TRACK_STATS)
+        tl.store(c_scale_ptr + pair.to(tl.int64)[:, None] * stride_csm + groups[None, :],
+                 tl.reshape(scale, [BLOCK_M, BLOCK_N // BLOCK_K]),
+                 mask=mask_m[:, None] & (groups * BLOCK_K < N)[None, :])
+        if TRACK_STATS:
+            tl.atomic_add(stats_ptr + 1, count_nonfinite(h, mask_c))
     else:
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
-
-
-@triton.jit
-def _store_group_quantized(h, c, mask_c, scales, mask_scales, stats_ptr, eps, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
-                           MIN_EXP: tl.constexpr, TRACK_STATS: tl.constexpr):
-    """``h [BLOCK_M, BLOCK_N]`` (fp32, zero where masked) to fp8 at ``c``, one scale per row and
-    ``GROUP`` columns at ``scales [BLOCK_M, BLOCK_N // GROUP]``: ``_group_quant_kernel``'s arithmetic."""
-    grouped = tl.reshape(h, [BLOCK_M, BLOCK_N // GROUP, GROUP])
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(grouped), 2), eps), FP8_MAX)
-    y = round_to_fp8_grid(tl.minimum(tl.maximum(tl.math.div_rn(grouped, scale[:, :, None]), -FP8_MAX), FP8_MAX),
-                          MANT_BITS, MIN_EXP)
-    tl.store(c, tl.reshape(y, [BLOCK_M, BLOCK_N]).to(c.dtype.element_ty), mask=mask_c)
-    tl.store(scales, scale, mask=mask_scales)
-    if TRACK_STATS:
-        nonfinite = tl.sum(tl.sum(((h != h) | (tl.abs(h) == float("inf"))) & mask_c, 1), 0)
-        tl.atomic_add(stats_ptr + 1, nonfinite.to(tl.int32))
 
 
 @triton.jit

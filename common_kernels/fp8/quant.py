@@ -25,6 +25,26 @@ GROUP_BLOCK_ROWS = 16  # rows per program of the group quantizer
 
 
 @triton.jit
+def quantize_groups(x, eps, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+                    POW2_SCALE: tl.constexpr):
+    """``x`` (fp32) quantized per group along its last axis: ``(values on the fp8 grid in fp32,
+    scales)``, the scales with the last axis kept as 1. Correctly rounded divisions (Triton's `/` is
+    approximate on GPUs): bit-equal to the reference."""
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), len(x.shape) - 1, keep_dims=True), eps), FP8_MAX)
+    if POW2_SCALE:
+        # Up to the next power of two, exactly: carry any mantissa bit into the exponent.
+        scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    y = round_to_fp8_grid(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX), MANT_BITS, MIN_EXP)
+    return y, scale
+
+
+@triton.jit
+def count_nonfinite(x, mask):
+    """NaN and infinite values of ``x`` where ``mask`` holds, for the guard's ``stats[1]``."""
+    return tl.sum((((x != x) | (tl.abs(x) == float("inf"))) & mask).to(tl.int32))
+
+
+@triton.jit
 def _group_quant_kernel(
     x_ptr,
     q_ptr,
@@ -51,18 +71,11 @@ def _group_quant_kernel(
     offs = group * GROUP + tl.arange(0, GROUP)
     mask = (rows < num_rows)[:, None] & (offs < num_cols)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x_m + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    # Correctly rounded divisions (Triton's `/` is approximate on GPUs): bit-equal to the reference.
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), eps), FP8_MAX)  # [BLOCK_ROWS]
-    if POW2_SCALE:
-        # Up to the next power of two, exactly: carry any mantissa bit into the exponent.
-        scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
-    y = round_to_fp8_grid(tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX), MANT_BITS,
-                          MIN_EXP)
+    y, scale = quantize_groups(x, eps, FP8_MAX, MANT_BITS, MIN_EXP, POW2_SCALE)  # scale [BLOCK_ROWS, 1]
     tl.store(q_ptr + rows[:, None] * stride_q_m + offs[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + rows * stride_s_m + group, scale, mask=rows < num_rows)
+    tl.store(scale_ptr + rows[:, None] * stride_s_m + group, scale, mask=(rows < num_rows)[:, None])
     if TRACK_STATS:
-        nonfinite = tl.sum(tl.sum(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), 1), 0)
-        tl.atomic_add(stats_ptr + 1, nonfinite)
+        tl.atomic_add(stats_ptr + 1, count_nonfinite(x, mask))
 
 
 def quantize_per_token_group(
