@@ -157,7 +157,8 @@ def assert_loaded_as_written(params: dict, written: dict, original: dict, fmt: s
 FLAWS = {
     "bf16_expert": r"latentspeed_fp8: model\.layers\.1\.mlp\.experts.* w13 weight: the checkpoint stores "
                    r"torch\.bfloat16",
-    "missing_scale": r"latentspeed_fp8: model\.layers\.0\.self_attn\.o_proj: the checkpoint has no scale for some",
+    "missing_scale": r"latentspeed_fp8: model\.layers\.0\.self_attn\.o_proj: the checkpoint has no scale for some "
+                     r"weight blocks",
 }
 
 
