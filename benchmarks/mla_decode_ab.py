@@ -12,6 +12,9 @@ JSON row per shape: both times and ``base_us / ours_us`` (above 1: the working t
 
     python -m benchmarks.mla_decode_ab --base HEAD --heads 16 --q-len 1 2 --cache e4m3 --out ab.jsonl
     python -m benchmarks.mla_decode_ab --base HEAD --heads 128 --narrow-64 --out ab128.jsonl
+
+Where the repository's history is not at hand (the GPU host gets the working tree only), ``--base``
+takes a folder of the two modules instead: ``git show REV:common_kernels/mla/decode_sm90.py > DIR/...``.
 """
 
 import argparse
@@ -33,13 +36,21 @@ MODULES = {"decode_sm90": ("mla_decode_split_kernel_sm90", decode_sm90),
 OURS = {name: getattr(module, kernel) for name, (kernel, module) in MODULES.items()}
 
 
+def revision_source(revision: str, name: str) -> str:
+    """Module ``name``'s source at a git revision, or in a folder of copies (``revision`` names one:
+    for a machine that has the working tree but not its history)."""
+    if Path(revision).is_dir():
+        return (Path(revision) / f"{name}.py").read_text()
+    return subprocess.run(["git", "show", f"{revision}:common_kernels/mla/{name}.py"], cwd=REPO, check=True,
+                          capture_output=True, text=True).stdout
+
+
 def load_revision(revision: str) -> dict[str, types.ModuleType]:
     """The revision's sm_90 kernel modules, importable beside the working tree's (as
     ``common_kernels.mla.<name>_at_base``)."""
     loaded = {}
     for name in MODULES:
-        source = subprocess.run(["git", "show", f"{revision}:common_kernels/mla/{name}.py"], cwd=REPO, check=True,
-                                capture_output=True, text=True).stdout
+        source = revision_source(revision, name)
         if name == "decode_sm90_narrow":  # its own import of the 64-row module: the revision's too
             source = source.replace("from .decode_sm90 import", "from .decode_sm90_at_base import")
         qualified = f"common_kernels.mla.{name}_at_base"
@@ -68,7 +79,8 @@ def main() -> None:
     from common_kernels.mla.reference import mla_decode_ref
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", default="HEAD", help="the git revision to compare with (default HEAD)")
+    parser.add_argument("--base", default="HEAD", help="the git revision to compare with (default HEAD), or a folder "
+                        "holding its decode_sm90.py and decode_sm90_narrow.py")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--q-len", type=int, nargs="+", default=[1, 2])

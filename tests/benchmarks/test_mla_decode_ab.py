@@ -31,3 +31,13 @@ def test_a_revisions_kernels_load_beside_ours_and_swap():
         mla_decode_ab.use(None)
     assert kernels_in_use() == ours
     assert decode.sm90_kernel_for(64, torch.float8_e4m3fn, True, 64, 512, 64) is decode_sm90
+
+
+def test_a_folder_of_copies_stands_for_a_revision(tmp_path):
+    for name in mla_decode_ab.MODULES:
+        source = subprocess.run(["git", "show", f"HEAD:common_kernels/mla/{name}.py"], cwd=mla_decode_ab.REPO,
+                                check=True, capture_output=True, text=True).stdout
+        (tmp_path / f"{name}.py").write_text(source.replace('"""', '"""Copied. ', 1))
+    base = mla_decode_ab.load_revision(str(tmp_path))
+    assert base["decode_sm90_narrow"].__doc__.startswith("Copied. ")  # read from the folder, not from git
+    assert base["decode_sm90_narrow"].V_CHUNK is base["decode_sm90"].V_CHUNK
