@@ -106,8 +106,7 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
         kernel, block_n, num_warps = decode_sm90.mla_decode_split_kernel_sm90, decode_sm90.BLOCK_N, decode_sm90.NUM_WARPS
         extra = dict(NUM_BUFS=decode_sm90.NUM_BUFS)
     elif module is not None:
-        kernel, block_n = module.mla_decode_split_kernel_sm90_narrow, module.BLOCK_N
-        num_warps = module.num_warps(plan.block_rows)
+        kernel, block_n, num_warps = module.mla_decode_split_kernel_sm90_narrow, module.BLOCK_N, module.NUM_WARPS
         extra = dict(NUM_BUFS=module.NUM_BUFS)
     pointers = dict(q_nope_ptr=torch.bfloat16, q_pe_ptr=torch.bfloat16, cache_ptr=keys_dtype, block_table_ptr=torch.int32,
                     seq_lens_ptr=torch.int32, kv_scale_ptr=torch.float32, tree_mask_ptr=torch.int64,
@@ -143,13 +142,6 @@ def every_kernel_report() -> dict[str, HopperReport]:
                for h in (16, 128) for name, dtype in (("bf16", bf16), ("e4m3", fp8))}
     # 32-row groups (16 heads, 2 tokens): the fp8 kernel's registers are tightest there
     reports["decode, 16 heads, e4m3, 2 tokens"] = decode_report(16, 2, fp8)
-    default_order = decode.SM90_KERNELS  # 64-row groups on the narrow kernel (two warpgroups), as it can be ordered
-    decode.SM90_KERNELS = tuple(reversed(default_order))
-    try:
-        for name, dtype in (("bf16", bf16), ("e4m3", fp8)):
-            reports[f"decode, 128 heads, {name}, narrow kernel"] = decode_report(128, 1, dtype)
-    finally:
-        decode.SM90_KERNELS = default_order
     for h in (16, 128):  # an extend with fresh_kv: the prefix from the fp8 cache, the new rows dense
         reports[f"decode, {h} heads, e4m3, extend prefix"] = decode_report(h, 1, fp8, varlen=True, prefix_only=True)
         reports[f"decode, {h} heads, e4m3, extend own rows"] = decode_report(h, 1, fp8, varlen=True, keys_dense=True)

@@ -64,23 +64,6 @@ def ours_triton(q, cache, block_table, seq_lens, q_len, kv_scale):
     return ours(q, cache, block_table, seq_lens, q_len, kv_scale, sm90=False)
 
 
-def ours_narrow_64(q, cache, block_table, seq_lens, q_len, kv_scale):
-    """latentspeed with its 64-row groups on the narrow sm_90 kernel (two warpgroups of 32 rows)
-    instead of ``decode_sm90``: the routing under trial for 128 heads, timed beside the default."""
-    from benchmarks.mla_decode_ab import use
-
-    fn = ours(q, cache, block_table, seq_lens, q_len, kv_scale)
-
-    def run():  # the kernel is chosen at each call (or capture): this provider's calls only
-        use(None, narrow_64=True)
-        try:
-            return fn()
-        finally:
-            use(None)
-
-    return run
-
-
 def flashmla(q, cache, block_table, seq_lens, q_len, kv_scale):
     from vllm.v1.attention.ops.flashmla import (
         flash_mla_with_kvcache,
@@ -171,8 +154,7 @@ def triton_mla(q, cache, block_table, seq_lens, q_len, kv_scale):
     return run
 
 
-PROVIDERS = {"latentspeed": ours, "latentspeed-triton": ours_triton, "latentspeed-narrow64": ours_narrow_64,
-             "FLASHMLA": flashmla,
+PROVIDERS = {"latentspeed": ours, "latentspeed-triton": ours_triton, "FLASHMLA": flashmla,
              "FLASH_ATTN_MLA": flash_attn_mla, "TRITON_MLA": triton_mla}
 
 

@@ -7,11 +7,9 @@ package), and ``decode.mla_decode`` is pointed at one kernel set or the other by
 module attributes it launches. Each shape: both outputs against ``mla_decode_ref`` (relative error,
 at the first context length), then CUDA-graph replay medians (``mla_decode_splits.timed``). One
 JSON row per shape: both times and ``base_us / ours_us`` (above 1: the working tree is faster).
-``--narrow-64`` runs the working tree's 64-row groups on the narrow kernel instead of
-``decode_sm90`` (the base keeps its own routing).
 
     python -m benchmarks.mla_decode_ab --base HEAD --heads 16 --q-len 1 2 --cache e4m3 --out ab.jsonl
-    python -m benchmarks.mla_decode_ab --base HEAD --heads 128 --narrow-64 --out ab128.jsonl
+    python -m benchmarks.mla_decode_ab --base HEAD~1 --heads 128 --out ab128.jsonl
 
 Where the repository's history is not at hand (the GPU host gets the working tree only), ``--base``
 takes a folder of the two modules instead: ``git show REV:common_kernels/mla/decode_sm90.py > DIR/...``.
@@ -65,12 +63,10 @@ def load_revision(revision: str) -> dict[str, types.ModuleType]:
     return loaded
 
 
-def use(kernels: dict[str, types.ModuleType] | None, narrow_64: bool = False) -> None:
-    """Point ``mla_decode`` at the given modules' kernels, or back at the working tree's (``None``);
-    ``narrow_64``: 64-row groups on the narrow kernel (``decode.SM90_KERNELS`` reordered)."""
+def use(kernels: dict[str, types.ModuleType] | None) -> None:
+    """Point ``mla_decode`` at the given modules' kernels, or back at the working tree's (``None``)."""
     for name, (kernel, module) in MODULES.items():
         setattr(module, kernel, getattr(kernels[name], kernel) if kernels else OURS[name])
-    decode.SM90_KERNELS = (decode_sm90_narrow, decode_sm90) if narrow_64 else (decode_sm90, decode_sm90_narrow)
 
 
 def main() -> None:
@@ -86,8 +82,6 @@ def main() -> None:
     parser.add_argument("--q-len", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--ctx", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--cache", nargs="+", default=["bf16", "e4m3"], choices=list(DTYPES))
-    parser.add_argument("--narrow-64", action="store_true",
-                        help="the working tree's side runs 64-row groups on the narrow kernel")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     base = load_revision(args.base)
@@ -102,10 +96,10 @@ def main() -> None:
                     for ctx in args.ctx:
                         q, cache, table, lens = make_inputs(args.batch, heads, q_len, ctx, dtype)
                         plan = plan_decode(args.batch, heads, q_len, ctx, sms, cache_dtype=dtype, sm90=sm90)
-                        row = dict(base=args.base, narrow_64=args.narrow_64, cache=cache_name, heads=heads,
+                        row = dict(base=args.base, cache=cache_name, heads=heads,
                                    q_len=q_len, ctx=ctx, splits=plan.num_splits)
                         for side, kernels in (("base", base), ("ours", None)):
-                            use(kernels, narrow_64=side == "ours" and args.narrow_64)
+                            use(kernels)
                             if ctx == args.ctx[0]:
                                 scale = kv_scale if dtype != torch.bfloat16 else None
                                 got, _ = mla_decode(q[..., :D_LATENT], q[..., D_LATENT:], cache, table, lens, SCALE,

@@ -328,7 +328,7 @@ def programs_per_sm(block_rows: int, cache_dtype: torch.dtype | None, sm90: bool
     kernels take most of the shared memory: one, except two of the narrow kernel's fp8 launches."""
     fp8 = cache_dtype in FP8_DTYPES
     if sm90:
-        return decode_sm90_narrow.programs_per_sm(block_rows, fp8)  # 64-row groups: one, whichever kernel
+        return decode_sm90_narrow.programs_per_sm(block_rows, fp8)  # 64-row groups (decode_sm90): one
     return MAX_PROGRAMS_PER_SM if block_rows <= 16 and not fp8 else 1
 
 
@@ -562,17 +562,10 @@ def sm90_kernel_enabled(device: torch.device) -> bool:
             and _is_sm90(device))
 
 
-# The Gluon kernels for sm_90; the first that fits a launch takes it. 64-row groups fit both:
-# decode_sm90's two warpgroups split the keys (Q K^T) and the latent columns (P V), the narrow
-# kernel's split the rows, each warpgroup with its own 32 over the tiles they share. decode_sm90
-# stays first until the H200 measures the other (benchmarks/mla_decode_ab.py --narrow-64).
-SM90_KERNELS = (decode_sm90, decode_sm90_narrow)
-
-
 def sm90_kernel_for(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, d_latent: int,
                     d_rope: int):
     """The module of the Gluon kernel for sm_90 that takes a launch of this shape, or None."""
-    for module in SM90_KERNELS:
+    for module in (decode_sm90, decode_sm90_narrow):
         if module.fits(block_rows, keys_dtype, paged, page_size, d_latent, d_rope):
             return module
     return None
@@ -601,7 +594,7 @@ def _launch_split(q_nope, q_pe, keys, block_table, seq_lens, kv_scale, tree_mask
         options = dict(NUM_BUFS=decode_sm90.NUM_BUFS, num_warps=decode_sm90.NUM_WARPS)
     elif module is decode_sm90_narrow:
         kernel, block_n = decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow, decode_sm90_narrow.BLOCK_N
-        options = dict(NUM_BUFS=decode_sm90_narrow.NUM_BUFS, num_warps=decode_sm90_narrow.num_warps(plan.block_rows))
+        options = dict(NUM_BUFS=decode_sm90_narrow.NUM_BUFS, num_warps=decode_sm90_narrow.NUM_WARPS)
     else:
         kernel = _mla_decode_split_kernel
         block_n, num_warps, num_stages = _launch_config(plan.block_rows, page_size, is_fp8)

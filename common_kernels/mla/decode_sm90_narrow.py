@@ -2,9 +2,7 @@
 
 Same contract, arguments and partial outputs as ``decode._mla_decode_split_kernel`` (the module
 docstring of ``decode`` has the formula), for the launches it takes: ``BLOCK_R`` of 16 or 32
-rows (one warpgroup), or 64 (two warpgroups of 32 rows side by side over the same tiles, each with
-its own softmax and ``O^T``; ``decode.SM90_KERNELS`` gives 64-row groups to ``decode_sm90``
-first), ``D_latent = 512``, ``D_rope = 64``, a paged cache (bf16/fp16, or fp8 with E4M3 queries,
+rows, ``D_latent = 512``, ``D_rope = 64``, a paged cache (bf16/fp16, or fp8 with E4M3 queries,
 ``DecodePlan.fp8_queries``; no dense keys). ``decode.mla_decode`` sends those launches here on an
 sm_90 GPU when the plan was made for it (``plan_decode(..., sm90=True)``).
 
@@ -27,12 +25,13 @@ wgmma's M and the query rows its N (one warpgroup, 4 warps):
   session);
 - cache tiles: ``cp.async`` per row into a ring of ``NUM_BUFS`` buffers, as in ``decode_sm90``.
 
-Shared memory at ``BLOCK_N = 64``: bf16 queries 18 KiB (32 rows: 36, 64 rows: 72), two tiles 144
-KiB, one program per multiprocessor (64 rows: 225 KiB in all); fp8 queries 9 KiB (32 rows: 18),
-two tiles 72 KiB, two programs per multiprocessor (``PROGRAMS_PER_SM_FP8``; 64 rows: one), which
-hide each other's latencies: measured on the H200 (``benchmarks/notes.md``, 2026-12-01, seventh
-session) 1.25-1.33x faster than one program
-with the widening buffer at one query token.
+Shared memory at ``BLOCK_N = 64``: bf16 queries 18 KiB (32 rows: 36), two tiles 144 KiB, one
+program per multiprocessor; fp8 queries 9 KiB (32 rows: 18), two tiles 72 KiB, two programs per
+multiprocessor (``PROGRAMS_PER_SM_FP8``), which hide each other's latencies: measured on the H200
+(``benchmarks/notes.md``, 2026-12-01, seventh session) 1.25-1.33x faster than one program with the
+widening buffer at one query token. (64-row groups with two warpgroups of 32 rows here were
+1.08-1.15x slower than ``decode_sm90`` in bf16 and 1.25-1.28x in fp8 on the H200:
+``benchmarks/results/mla_decode-sm90-narrow64-2026-12-02.md``.)
 """
 
 import torch
@@ -48,22 +47,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..fp8_format import FP8_DTYPES
 from .decode_sm90 import D_LATENT, D_ROPE, V_CHUNK, _advance_ring, _load_queries, _start_ring
 
-BLOCK_ROWS = (16, 32, 64)
+BLOCK_ROWS = (16, 32)
 BLOCK_N = 64
+NUM_WARPS = 4
 
 
 NUM_BUFS = 2
 PROGRAMS_PER_SM_FP8 = 2  # fp8 caches: 83 KiB of shared memory (32 rows: 94) and 255 registers a thread
 
 
-def num_warps(block_rows: int) -> int:
-    """One warpgroup for up to 32 rows; 64 rows are two warpgroups of 32."""
-    return 8 if block_rows > 32 else 4
-
-
 def programs_per_sm(block_rows: int, fp8: bool) -> int:
-    """Programs a multiprocessor holds: two one-warpgroup fp8 programs, else one (the registers)."""
-    return PROGRAMS_PER_SM_FP8 if fp8 and block_rows <= 32 else 1
+    """Programs a multiprocessor holds: two of this kernel's fp8 launches, else one (the registers)."""
+    return PROGRAMS_PER_SM_FP8 if fp8 and block_rows in BLOCK_ROWS else 1
 
 
 def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, d_latent: int, d_rope: int) -> bool:
@@ -135,10 +130,8 @@ def mla_decode_split_kernel_sm90_narrow(
     NUM_BUFS: gl.constexpr,
 ):
     gl.static_assert(IS_FP8 == FP8_QUERIES and not KEYS_DENSE, "paged caches; fp8 ones with fp8 queries")
-    # Warpgroups split the rows (wgmma's N): each keeps its own rows' softmax and O^T, all read each tile.
-    WARPGROUPS: gl.constexpr = gl.num_warps() // 4
-    ROWS_PER_WG: gl.constexpr = BLOCK_R // WARPGROUPS
-    gl.static_assert((ROWS_PER_WG == 16 or ROWS_PER_WG == 32) and PAGE_SIZE % BLOCK_N == 0 and NUM_BUFS >= 2)
+    gl.static_assert((BLOCK_R == 16 or BLOCK_R == 32) and PAGE_SIZE % BLOCK_N == 0 and NUM_BUFS >= 2)
+    gl.static_assert(gl.num_warps() == 4, "one warpgroup")
     dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
     key_ty: gl.constexpr = cache_ptr.dtype.element_ty
     qk_ty: gl.constexpr = gl.float8e4nv if IS_FP8 else dtype
@@ -146,10 +139,10 @@ def mla_decode_split_kernel_sm90_narrow(
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     ld_keys: gl.constexpr = (gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0]) if IS_FP8
                              else ld_layout)
-    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPGROUPS],
-                                                    instr_shape=[16, ROWS_PER_WG, 32 if IS_FP8 else 16])
-    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WARPGROUPS],
-                                                    instr_shape=[16, ROWS_PER_WG, 16])
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_R, 32 if IS_FP8 else 16])
+    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_R, 16])
     cols_s: gl.constexpr = gl.SliceLayout(0, mma_s)  # per query row (a column of S^T)
     cols_o: gl.constexpr = gl.SliceLayout(0, mma_o)
 
@@ -246,7 +239,7 @@ def mla_decode_split_kernel_sm90_narrow(
         alpha_o = gl.convert_layout(alpha, cols_o)[None, :]
         acc0, v0 = _pv(kc, 0, p_smem, acc0 * alpha_o, IS_FP8, v_ops)
         acc1, v1 = _pv(kc, 1, p_smem, acc1 * alpha_o, IS_FP8, v_ops)
-        if IS_FP8 and ROWS_PER_WG == 32:  # two V^T chunks in flight: four do not fit the registers at 32 rows
+        if IS_FP8 and BLOCK_R == 32:  # two V^T chunks in flight: four do not fit the registers at 32 rows
             acc0, v0 = warpgroup_mma_wait(num_outstanding=1, deps=[acc0, v0])
             acc2, v2 = _pv(kc, 2, p_smem, acc2 * alpha_o, IS_FP8, v_ops)
             acc1, v1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc1, v1])

@@ -24,7 +24,7 @@ def hopper_compile(*args: str) -> dict:
 
 def test_every_kernel_compiles_for_hopper():
     reports = hopper_compile("all")
-    assert len(reports) == 25
+    assert len(reports) == 23
     for label, report in reports.items():
         if label.startswith("decode, "):
             assert report["async_copies"] > 0, f"{label}: the tile loads are not pipelined"
@@ -39,10 +39,6 @@ def test_every_kernel_compiles_for_hopper():
     assert not serialized, f"ptxas serializes the wgmma of {serialized} (C7511: short of registers)"
     # 64-row groups over a paged cache compile the Gluon kernel: scores split by keys between the
     # two warpgroups ([4, 2] warps, 32-key wgmma), no spills
-    for label in ("decode, 128 heads, bf16, narrow kernel", "decode, 128 heads, e4m3, narrow kernel"):
-        layouts = reports[label]["mma_layouts"]  # two warpgroups side by side along the rows
-        assert reports[label]["spill_bytes"] == 0
-        assert all(layout.startswith("warpsPerCTA = [4, 2], instrShape = [16, 32,") for layout in layouts), label
     for label in ("decode, 128 heads, bf16", "decode, 128 heads, e4m3", "decode, 128 heads, e4m3, extend prefix"):
         assert reports[label]["spill_bytes"] == 0, label
         assert any(layout.startswith("warpsPerCTA = [4, 2], instrShape = [16, 32,")

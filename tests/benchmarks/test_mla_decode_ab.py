@@ -3,10 +3,8 @@ and out of ``mla_decode`` (timing needs a GPU; loading and swapping do not)."""
 
 import subprocess
 
-import torch
-
 from benchmarks import mla_decode_ab
-from common_kernels.mla import decode, decode_sm90, decode_sm90_narrow
+from common_kernels.mla import decode_sm90, decode_sm90_narrow
 
 
 def kernels_in_use():
@@ -25,12 +23,9 @@ def test_a_revisions_kernels_load_beside_ours_and_swap():
     mla_decode_ab.use(base)
     try:
         assert kernels_in_use() == theirs
-        mla_decode_ab.use(None, narrow_64=True)
-        assert decode.sm90_kernel_for(64, torch.float8_e4m3fn, True, 64, 512, 64) is decode_sm90_narrow
     finally:
         mla_decode_ab.use(None)
     assert kernels_in_use() == ours
-    assert decode.sm90_kernel_for(64, torch.float8_e4m3fn, True, 64, 512, 64) is decode_sm90
 
 
 def test_a_folder_of_copies_stands_for_a_revision(tmp_path):

@@ -84,16 +84,6 @@ def test_matches_reference_and_triton(monkeypatch, cache_name, page, num_splits,
     assert_close(lse, triton_lse, atol=2e-3, rtol=2e-3, name="sm90 against Triton lse")
 
 
-@pytest.mark.parametrize("cache_name", CACHES)
-@pytest.mark.parametrize("q_len", [1, 2], ids=lambda q: f"q{q}")
-def test_narrow_kernel_with_two_warpgroups(monkeypatch, cache_name, q_len):
-    """64-row groups (128 heads) on the narrow kernel, as ``decode.SM90_KERNELS`` can order it: two
-    warpgroups of 32 rows over the same tiles; against the reference and the Triton kernel."""
-    monkeypatch.setattr(decode, "SM90_KERNELS", (decode_sm90_narrow, decode_sm90))
-    assert decode.sm90_kernel_for(64, CACHES[cache_name][0], True, 64, 512, 64) is decode_sm90_narrow
-    test_matches_reference_and_triton(monkeypatch, cache_name, 64, None, q_len, 128)
-
-
 @pytest.mark.parametrize("num_heads, q_lens", [(128, (128, 1, 77, 0)), (16, (2, 1, 2, 0))], ids=["H128", "H16"])
 def test_extend_prefix_with_fresh_rows(monkeypatch, num_heads, q_lens):
     """``fresh_kv`` over a bf16 cache: the prefix launch is a Gluon kernel (PREFIX_ONLY, ragged
