@@ -96,17 +96,21 @@ def compare_results(path_a: Path, path_b: Path, a: str, b: str) -> dict:
     return row
 
 
-def expect_guard_stop(script: str, name: str) -> int:
+def expect_guard_stop(script: str, name: str, timeout: int = 400) -> int:
     """Run ``script guard-child`` under ``LATENTSPEED_FP8_GUARD=raise``; 0 if the engine stopped with
-    ``Fp8NumericsError``, 1 if it finished or hung. Its log and a JSON row go to ``$OUT/name.*``."""
-    try:
-        child = subprocess.run([sys.executable, script, "guard-child"], capture_output=True, text=True, timeout=400,
-                               env=dict(os.environ, LATENTSPEED_FP8_GUARD="raise"))
-        returncode, log = child.returncode, child.stdout + child.stderr
-    except subprocess.TimeoutExpired as hung:  # an engine that neither stops nor finishes fails too
-        returncode, log = None, f"timed out after {hung.timeout} s"
+    ``Fp8NumericsError``, 1 if it finished or hung. Its log (written as it runs, so a hang or an
+    outer timeout still leaves it) and a JSON row go to ``$OUT/name.*``."""
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{name}.log").write_text(log)
+    log_path = OUT / f"{name}.log"
+    with open(log_path, "w") as log_file:
+        try:
+            returncode = subprocess.run([sys.executable, "-u", script, "guard-child"], stdout=log_file,
+                                        stderr=subprocess.STDOUT, timeout=timeout,
+                                        env=dict(os.environ, LATENTSPEED_FP8_GUARD="raise")).returncode
+        except subprocess.TimeoutExpired:  # an engine that neither stops nor finishes fails too
+            returncode = None
+            print(f"[guard] timed out after {timeout} s", file=log_file, flush=True)
+    log = log_path.read_text()
     lines = [line for line in log.splitlines() if "Fp8NumericsError" in line or "fp8 guard" in line]
     stopped = returncode not in (0, None) and bool(lines)
     row = {"returncode": returncode, "stopped_by_guard": stopped, "guard_lines": lines[:4]}
