@@ -61,28 +61,6 @@ def programs_per_sm(block_rows: int, fp8: bool) -> int:
     return PROGRAMS_PER_SM_FP8 if fp8 and block_rows in BLOCK_ROWS else 1
 
 
-# fp8 ``V^T`` chunks ([V_CHUNK latent columns, BLOCK_N keys]) come from shared memory in word-wide
-# loads. wgmma's A fragment (``DotOperandLayout(0, mma_o, k_width=2)``) gives a thread, per key,
-# the four chunk rows ``m = r + 8a + 16w + 64b`` (r = lane // 4, w = warp, a and b register bits):
-# four latent bytes 8 and 64 apart, four byte loads. Any order of ``O^T``'s rows is undone by the
-# output store, so chunk row m holds latent column ``latent_of_row(m)``, which puts a thread's four
-# rows in four consecutive bytes (a, b the low bits): one 32-bit load per key, 4x fewer loads.
-# FP8_V_LOAD is that fragment over [latent column, key], its two byte bits first; ``_pv`` relabels
-# the columns as rows (a reshape and permute of the registers: ``convert_layout`` moves nothing).
-FP8_V_LOAD = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[1, 0], [2, 0], [0, 1], [0, 8], [0, 16], [0, 32]],  # a, b; then the keys of the fragment
-    lane_bases=[[0, 2], [0, 4], [4, 0], [8, 0], [16, 0]],  # keys, then r
-    warp_bases=[[32, 0], [64, 0]],  # w
-    block_bases=[], shape=[V_CHUNK, BLOCK_N]))
-
-
-@gluon.jit
-def latent_of_row(m):
-    """The latent column (within a ``V_CHUNK``) that fp8 chunk row ``m`` holds: its bits
-    ``(r, a, w, b)`` (m = r + 8a + 16w + 64b) as ``a + 2b + 4r + 32w`` (``.fn`` takes Python ints)."""
-    return ((m >> 3) & 1) | (((m >> 6) & 1) << 1) | ((m & 7) << 2) | (((m >> 4) & 3) << 5)
-
-
 def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, d_latent: int, d_rope: int) -> bool:
     """Whether this kernel takes a launch of that shape (on an sm_90 GPU)."""
     return (block_rows in BLOCK_ROWS and keys_dtype in (torch.bfloat16, torch.float16, *FP8_DTYPES) and paged
@@ -93,26 +71,20 @@ def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, 
 def _pv(tile, c: gl.constexpr, p_smem, acc, IS_FP8: gl.constexpr, v_ops: gl.constexpr):
     """Start ``acc += V^T P^T`` for latent rows ``[c * V_CHUNK, (c + 1) * V_CHUNK)`` of the cache
     ``tile``: ``V^T`` read transposed from shared memory by wgmma, or (fp8 tiles) loaded into
-    registers word by word and widened to fp16 there, its rows in ``latent_of_row`` order. Returns
-    the accumulator and ``V^T``'s operand (which must stay alive until the wgmma is waited for)."""
+    registers and widened to fp16 there. Returns the accumulator and ``V^T``'s operand (which must
+    stay alive until the wgmma is waited for)."""
     v_t = tile.slice(c * V_CHUNK, V_CHUNK, dim=1).permute([1, 0])
     if IS_FP8:
-        v_cols = v_t.load(FP8_V_LOAD)  # [latent column, key]: column = a + 2b + 4r + 32w
-        v_rows = v_cols.reshape([4, 8, 2, 2, v_cols.shape[1]]).permute([2, 0, 3, 1, 4])  # (b, w, a, r, key)
-        v_regs = gl.convert_layout(v_rows.reshape(v_cols.shape), v_ops, assert_trivial=True).to(p_smem.dtype)
+        v_regs = v_t.load(v_ops).to(p_smem.dtype)
         return warpgroup_mma(v_regs, p_smem, acc, is_async=True), v_regs
     else:
         return warpgroup_mma(v_t, p_smem, acc, is_async=True), v_t
 
 
 @gluon.jit
-def _store_out(out, c: gl.constexpr, out_rows, out_mask, mma_o: gl.constexpr, IS_FP8: gl.constexpr):
-    """Latent rows ``[c * V_CHUNK, (c + 1) * V_CHUNK)`` of ``O^T`` to the output rows (fp8: chunk
-    row m is latent column ``latent_of_row(m)``)."""
-    offs_co = gl.arange(0, V_CHUNK, layout=gl.SliceLayout(1, mma_o))
-    if IS_FP8:
-        offs_co = latent_of_row(offs_co)
-    offs_co += c * V_CHUNK
+def _store_out(out, c: gl.constexpr, out_rows, out_mask, mma_o: gl.constexpr):
+    """Latent rows ``[c * V_CHUNK, (c + 1) * V_CHUNK)`` of ``O^T`` to the output rows."""
+    offs_co = c * V_CHUNK + gl.arange(0, V_CHUNK, layout=gl.SliceLayout(1, mma_o))
     gl.store(out_rows + offs_co[:, None], out.to(out_rows.dtype.element_ty), mask=out_mask)
 
 
@@ -291,10 +263,10 @@ def mla_decode_split_kernel_sm90_narrow(
     out_mask = (row_o < q_len * NUM_HEADS)[None, :]
     if not DIRECT_OUT:
         out_rows += pid_s * stride_out_s
-    _store_out(acc0 * out_scale, 0, out_ptr + out_rows, out_mask, mma_o, IS_FP8)
-    _store_out(acc1 * out_scale, 1, out_ptr + out_rows, out_mask, mma_o, IS_FP8)
-    _store_out(acc2 * out_scale, 2, out_ptr + out_rows, out_mask, mma_o, IS_FP8)
-    _store_out(acc3 * out_scale, 3, out_ptr + out_rows, out_mask, mma_o, IS_FP8)
+    _store_out(acc0 * out_scale, 0, out_ptr + out_rows, out_mask, mma_o)
+    _store_out(acc1 * out_scale, 1, out_ptr + out_rows, out_mask, mma_o)
+    _store_out(acc2 * out_scale, 2, out_ptr + out_rows, out_mask, mma_o)
+    _store_out(acc3 * out_scale, 3, out_ptr + out_rows, out_mask, mma_o)
     lse_ptrs = lse_ptr + (q_start + tok_j) * stride_lse_t + (row_s % NUM_HEADS) * stride_lse_h
     if not DIRECT_OUT:
         lse_ptrs += pid_s
