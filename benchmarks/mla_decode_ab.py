@@ -11,12 +11,20 @@ JSON row per shape: both times and ``base_us / ours_us`` (above 1: the working t
     python -m benchmarks.mla_decode_ab --base HEAD --heads 16 --q-len 1 2 --cache e4m3 --out ab.jsonl
     python -m benchmarks.mla_decode_ab --base HEAD~1 --heads 128 --out ab128.jsonl
 
+``--ours-set MODULE.NAME=INT`` changes a constant of the working tree's kernel modules for its side
+only (the plan is made under it too), to time a launch setting without a new revision:
+
+    python -m benchmarks.mla_decode_ab --base HEAD --heads 16 --cache e4m3 \
+        --ours-set decode_sm90_narrow.NUM_BUFS=3 decode_sm90_narrow.PROGRAMS_PER_SM_FP8=1 --out ab.jsonl
+
 Where the repository's history is not at hand (the GPU host gets the working tree only), ``--base``
 takes a folder of the two modules instead: ``git show REV:common_kernels/mla/decode_sm90.py > DIR/...``.
 """
 
 import argparse
+import contextlib
 import importlib.util
+import itertools
 import json
 import linecache
 import subprocess
@@ -26,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from common_kernels.mla import decode, decode_sm90, decode_sm90_narrow, mla_decode, plan_decode, sm90_kernels_apply
+from common_kernels.mla import decode_sm90, decode_sm90_narrow, mla_decode, plan_decode, sm90_kernels_apply
 
 REPO = Path(__file__).resolve().parents[1]
 MODULES = {"decode_sm90": ("mla_decode_split_kernel_sm90", decode_sm90),
@@ -69,10 +77,65 @@ def use(kernels: dict[str, types.ModuleType] | None) -> None:
         setattr(module, kernel, getattr(kernels[name], kernel) if kernels else OURS[name])
 
 
-def main() -> None:
-    from benchmarks.mla_decode import D_LATENT, SCALE, make_inputs
-    from benchmarks.mla_decode_splits import DTYPES, timed
+def parse_settings(items: list[str]) -> dict[tuple[types.ModuleType, str], int]:
+    """``["decode_sm90_narrow.NUM_BUFS=3", ...]`` as ``{(module, "NUM_BUFS"): 3}``; the constant
+    must exist in that working-tree module."""
+    settings = {}
+    for item in items:
+        target, _, value = item.partition("=")
+        name, _, constant = target.partition(".")
+        if name not in MODULES or not hasattr(MODULES[name][1], constant) or not value.lstrip("-").isdigit():
+            raise ValueError(f"--ours-set {item!r}: expected MODULE.NAME=INT with MODULE one of {sorted(MODULES)} "
+                             "and NAME one of its constants")
+        settings[(MODULES[name][1], constant)] = int(value)
+    return settings
+
+
+@contextlib.contextmanager
+def overridden(settings: dict[tuple[types.ModuleType, str], int]):
+    """The modules' constants set to ``settings`` inside the block, restored after it."""
+    saved = {key: getattr(*key) for key in settings}
+    try:
+        for (module, constant), value in settings.items():
+            setattr(module, constant, value)
+        yield
+    finally:
+        for (module, constant), value in saved.items():
+            setattr(module, constant, value)
+
+
+def measure(side: str, kernels, constants, inputs, dtype, batch: int, heads: int, q_len: int, ctx: int,
+            check: bool) -> dict:
+    """One side's row entries for one shape: its split count, its error against the fp32
+    reference (``check``) and its CUDA-graph replay time."""
+    from benchmarks.mla_decode import D_LATENT, SCALE
+    from benchmarks.mla_decode_splits import timed
     from common_kernels.mla.reference import mla_decode_ref
+
+    q, cache, table, lens, kv_scale = inputs
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sm90 = sm90_kernels_apply(torch.device("cuda"), dtype, 64, D_LATENT, 64)
+    with overridden(constants):
+        use(kernels)
+        try:
+            plan = plan_decode(batch, heads, q_len, ctx, sms, cache_dtype=dtype, sm90=sm90)
+            row = {f"{side}_splits": plan.num_splits}
+            if check:
+                scale = kv_scale if dtype != torch.bfloat16 else None
+                got, _ = mla_decode(q[..., :D_LATENT], q[..., D_LATENT:], cache, table, lens, SCALE, plan, scale)
+                ref, _ = mla_decode_ref(q[..., :D_LATENT].float(), q[..., D_LATENT:].float(), cache, table, lens,
+                                        SCALE, kv_scale=kv_scale if scale is not None else 1.0,
+                                        fp8_queries=plan.fp8_queries(dtype))
+                row[f"{side}_rel_err"] = ((got.float() - ref).norm() / ref.norm()).item()
+            row[f"{side}_us"] = timed(q, cache, table, lens, plan, kv_scale)
+        finally:
+            use(None)
+    return row
+
+
+def main() -> None:
+    from benchmarks.mla_decode import make_inputs
+    from benchmarks.mla_decode_splits import DTYPES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="HEAD", help="the git revision to compare with (default HEAD), or a folder "
@@ -82,40 +145,27 @@ def main() -> None:
     parser.add_argument("--q-len", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--ctx", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--cache", nargs="+", default=["bf16", "e4m3"], choices=list(DTYPES))
+    parser.add_argument("--ours-set", nargs="+", default=[], metavar="MODULE.NAME=INT",
+                        help="constants of the working tree's kernel modules for its side only")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    settings = parse_settings(args.ours_set)
     base = load_revision(args.base)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     kv_scale = torch.tensor([0.5], device="cuda")
     with open(args.out, "w") as out:
-        for cache_name in args.cache:
+        for cache_name, heads, q_len, ctx in itertools.product(args.cache, args.heads, args.q_len, args.ctx):
             dtype = DTYPES[cache_name]
-            sm90 = sm90_kernels_apply(torch.device("cuda"), dtype, 64, D_LATENT, 64)
-            for heads in args.heads:
-                for q_len in args.q_len:
-                    for ctx in args.ctx:
-                        q, cache, table, lens = make_inputs(args.batch, heads, q_len, ctx, dtype)
-                        plan = plan_decode(args.batch, heads, q_len, ctx, sms, cache_dtype=dtype, sm90=sm90)
-                        row = dict(base=args.base, cache=cache_name, heads=heads,
-                                   q_len=q_len, ctx=ctx, splits=plan.num_splits)
-                        for side, kernels in (("base", base), ("ours", None)):
-                            use(kernels)
-                            if ctx == args.ctx[0]:
-                                scale = kv_scale if dtype != torch.bfloat16 else None
-                                got, _ = mla_decode(q[..., :D_LATENT], q[..., D_LATENT:], cache, table, lens, SCALE,
-                                                    plan, scale)
-                                ref, _ = mla_decode_ref(q[..., :D_LATENT].float(), q[..., D_LATENT:].float(), cache,
-                                                        table, lens, SCALE, kv_scale=kv_scale if scale is not None
-                                                        else 1.0, fp8_queries=plan.fp8_queries(dtype))
-                                row[f"{side}_rel_err"] = ((got.float() - ref).norm() / ref.norm()).item()
-                            row[f"{side}_us"] = timed(q, cache, table, lens, plan, kv_scale)
-                        use(None)
-                        row["base/ours"] = row["base_us"] / row["ours_us"]
-                        out.write(json.dumps(row) + "\n")
-                        out.flush()
-                        print(json.dumps(row), flush=True)
-                        del q, cache, table, lens
-                        torch.cuda.empty_cache()
+            inputs = (*make_inputs(args.batch, heads, q_len, ctx, dtype), kv_scale)
+            row = dict(base=args.base, ours_set=args.ours_set, cache=cache_name, heads=heads, q_len=q_len, ctx=ctx)
+            for side, kernels, constants in (("base", base, {}), ("ours", None, settings)):
+                row |= measure(side, kernels, constants, inputs, dtype, args.batch, heads, q_len, ctx,
+                               check=ctx == args.ctx[0])
+            row["base/ours"] = row["base_us"] / row["ours_us"]
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            print(json.dumps(row), flush=True)
+            del inputs
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -3,8 +3,11 @@ and out of ``mla_decode`` (timing needs a GPU; loading and swapping do not)."""
 
 import subprocess
 
+import pytest
+import torch
+
 from benchmarks import mla_decode_ab
-from common_kernels.mla import decode_sm90, decode_sm90_narrow
+from common_kernels.mla import decode_sm90, decode_sm90_narrow, plan_decode
 
 
 def kernels_in_use():
@@ -36,3 +39,26 @@ def test_a_folder_of_copies_stands_for_a_revision(tmp_path):
     base = mla_decode_ab.load_revision(str(tmp_path))
     assert base["decode_sm90_narrow"].__doc__.startswith("Copied. ")  # read from the folder, not from git
     assert base["decode_sm90_narrow"].V_CHUNK is base["decode_sm90"].V_CHUNK
+
+
+def test_ours_set_changes_constants_for_one_side_only():
+    settings = mla_decode_ab.parse_settings(["decode_sm90_narrow.PROGRAMS_PER_SM_FP8=1",
+                                             "decode_sm90_narrow.NUM_BUFS=3"])
+    assert settings == {(decode_sm90_narrow, "PROGRAMS_PER_SM_FP8"): 1, (decode_sm90_narrow, "NUM_BUFS"): 3}
+    fp8 = torch.float8_e4m3fn
+
+    def splits():  # 16 heads, 1 token: 16-row groups on the narrow kernel
+        return plan_decode(128, 16, 1, 32768, 132, cache_dtype=fp8, sm90=True).num_splits
+
+    two_programs = splits()
+    with mla_decode_ab.overridden(settings):
+        assert decode_sm90_narrow.NUM_BUFS == 3
+        assert splits() * 2 == two_programs  # one program a multiprocessor: half the splits fill the wave
+    assert (decode_sm90_narrow.NUM_BUFS, decode_sm90_narrow.PROGRAMS_PER_SM_FP8) == (2, 2)
+    assert splits() == two_programs
+
+
+@pytest.mark.parametrize("item", ["decode_sm90_narrow.NO_SUCH=1", "decode.NUM_BUFS=2", "decode_sm90.NUM_BUFS=two"])
+def test_ours_set_refuses_what_it_cannot_set(item):
+    with pytest.raises(ValueError, match="MODULE.NAME=INT"):
+        mla_decode_ab.parse_settings([item])
