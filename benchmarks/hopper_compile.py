@@ -133,7 +133,7 @@ def gemm_report(block_m: int, block_n: int, num_warps: int, num_stages: int) -> 
 def every_kernel_report() -> dict[str, HopperReport]:
     """Every launchable kernel of ``common_kernels`` at a DeepSeek-V3 launch (fp8 E4M3 where the
     kernel takes fp8), for a check that all of them compile for Hopper."""
-    from common_kernels.fp8 import gemm, moe, quant
+    from common_kernels.fp8 import gemm, moe, norm_quant, quant
     from common_kernels.mla import cache, decode, prefill
 
     bf16, fp8, f32, i32, i64 = torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32, torch.int64
@@ -170,6 +170,13 @@ def every_kernel_report() -> dict[str, HopperReport]:
         quant._weight_block_quant_kernel, dict(w_ptr=bf16, q_ptr=fp8, scale_ptr=f32, stats_ptr=i32),
         dict(BLOCK=128, TRACK_STATS=True, **e4m3), 4, 3, floats=("eps",),
         unaligned=("num_rows", "num_cols", "stride_s"))
+    # RMSNorm + group quantization, with the residual, one DeepSeek-V3 hidden row (7168) a program
+    reports["rms norm group quantizer"] = compile_for_hopper(
+        norm_quant._rms_norm_group_quant_kernel,
+        dict(x_ptr=bf16, residual_ptr=bf16, residual_out_ptr=bf16, weight_ptr=bf16, q_ptr=fp8, scale_ptr=f32,
+             stats_ptr=i32),
+        dict(HAS_RESIDUAL=True, GROUP=128, NUM_GROUPS=64, POW2_SCALE=False, TRACK_STATS=True, **e4m3), 16, 3,
+        floats=("eps", "quant_eps"), unaligned=("num_cols", "stride_s"))
     reports["gemm 64x128"] = gemm_report(64, 128, 4, 4)
     reports["gemm split-k sum"] = compile_for_hopper(
         gemm._split_k_sum_kernel, dict(partial_ptr=f32, c_ptr=bf16), dict(SPLIT_K=4, BLOCK=1024), 4, 3,

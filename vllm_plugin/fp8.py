@@ -64,6 +64,8 @@ from common_kernels.fp8 import (
 )
 from common_kernels.guard import fp8_guard
 
+from . import fusion
+
 NAME = "latentspeed_fp8"
 BLOCK = [SCALE_BLOCK, SCALE_BLOCK]
 
@@ -105,7 +107,9 @@ class LatentspeedBlockFp8Kernel(Fp8BlockScaledMMLinearKernel):
 
 def _our_kernel(method, weight_shape) -> LatentspeedBlockFp8Kernel:
     """Our GEMM behind vLLM's kernel interface, built directly: vLLM's kernel chooser would
-    pick (and set up) one of its own first."""
+    pick (and set up) one of its own first. The first one built also installs the RMSNorm +
+    quantization fusion pass where asked for (``vllm_plugin/fusion.py``)."""
+    fusion.install()
     return LatentspeedBlockFp8Kernel(
         FP8ScaledMMLinearLayerConfig(
             weight_quant_key=method.weight_quant_key,

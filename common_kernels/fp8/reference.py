@@ -85,3 +85,19 @@ def fused_moe_fp8_ref(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, e
             down = block_scaled_gemm_ref(h, h_scale, w2[e], w2_scale[e], torch.float32)
             out[t] += topk_weights[t, j].float() * down[0]
     return out.to(x.dtype)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """vLLM's RMSNorm (``vllm.ir`` ops' formula and roundings): ``(y, new residual or None)``."""
+    z = x.float() if residual is None else x.float() + residual.float()
+    y = (z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps)).to(weight.dtype) * weight
+    return y.to(x.dtype), None if residual is None else z.to(x.dtype)
+
+
+def rms_norm_group_quant_ref(x, weight, eps, residual=None, group_size=128, fp8_dtype=torch.float8_e4m3fn,
+                             pow2_scale=False):
+    """Same contract as ``rms_norm_group_quant`` (and, with ``residual``, ``add_rms_norm_group_quant``):
+    the normalization, then ``quantize_per_token_group_ref``."""
+    y, residual_out = rms_norm_ref(x, weight, eps, residual)
+    q, scales = quantize_per_token_group_ref(y, group_size, fp8_dtype, pow2_scale)
+    return (q, scales) if residual is None else (q, scales, residual_out)

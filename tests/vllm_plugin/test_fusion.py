@@ -1,0 +1,114 @@
+"""The RMSNorm + fp8 quantization fusion pass (``vllm_plugin/fusion.py``) on graphs built from
+vLLM 0.26.0's own ``vllm.ir`` norm ops and latentspeed's linear op, as vLLM's compiler hands them
+to post-grad passes; the rewritten graphs then run (Triton's interpreter) against the originals."""
+
+import pytest
+import torch
+import vllm.ir.ops
+from torch.fx.experimental.proxy_tensor import make_fx
+from vllm.config import CompilationConfig, CompilationMode, DeviceConfig, VllmConfig
+
+import vllm_plugin.fp8  # noqa: F401  (registers torch.ops.latentspeed.block_fp8_linear)
+from common_kernels.fp8 import quantize_weight_blocks
+from common_kernels.guard import fp8_guard
+from tests.helpers import assert_close
+from vllm_plugin import fusion
+
+LINEAR = torch.ops.latentspeed.block_fp8_linear.default
+NORM_OPS = {torch.ops.vllm_ir.rms_norm.default, torch.ops.vllm_ir.fused_add_rms_norm.default}
+FUSED_OPS = {torch.ops.latentspeed.rms_norm_group_quant.default, torch.ops.latentspeed.add_rms_norm_group_quant.default}
+
+
+def weights(n, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return quantize_weight_blocks((torch.randn(n, k, generator=gen) / k**0.5).contiguous())
+
+
+def decoder_slice(x, residual, w_in, w_a, s_a, w_q, w_b, s_b, w_gate):
+    """DeepSeek-V3's shapes of use: input_layernorm with the residual into one linear,
+    q_a_layernorm into another, and a norm whose output also feeds a bf16 router (not fusable)."""
+    h, residual = vllm.ir.ops.fused_add_rms_norm(x, residual, w_in, 1e-6)
+    q = vllm.ir.ops.rms_norm(torch.ops.latentspeed.block_fp8_linear(h, w_a, s_a), w_q, 1e-6)
+    out = torch.ops.latentspeed.block_fp8_linear(q, w_b, s_b)
+    shared = vllm.ir.ops.rms_norm(out, w_in, 1e-6)
+    return torch.ops.latentspeed.block_fp8_linear(shared, w_a, s_a) + shared @ w_gate, residual
+
+
+def inputs(dtype):
+    gen = torch.Generator().manual_seed(0)
+    hidden, q_rank = 384, 256
+    w_a, s_a = weights(q_rank, hidden, 1)
+    w_b, s_b = weights(hidden, q_rank, 2)
+    return (torch.randn(5, hidden, generator=gen).to(dtype), torch.randn(5, hidden, generator=gen).to(dtype),
+            (torch.rand(hidden, generator=gen) + 0.5).to(dtype), w_a, s_a, (torch.rand(q_rank, generator=gen) + 0.5)
+            .to(dtype), w_b, s_b, torch.randn(hidden, q_rank, generator=gen).to(dtype) / 16)
+
+
+def compiling_config(mode=CompilationMode.VLLM_COMPILE):
+    return VllmConfig(device_config=DeviceConfig("cpu"), compilation_config=CompilationConfig(mode=mode))
+
+
+def targets(gm):
+    return [node.target for node in gm.graph.nodes if node.op == "call_function"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_pass_fuses_the_norms_that_feed_only_a_linear(dtype):
+    args = inputs(dtype)
+    gm = make_fx(decoder_slice, tracing_mode="fake")(*args)
+    assert sum(t in NORM_OPS for t in targets(gm)) == 3
+    expected = gm(*args)
+    fusion_pass = fusion.NormQuantFusionPass(compiling_config())
+    fusion_pass(gm.graph)
+    gm.recompile()
+    found = targets(gm)
+    assert fusion_pass.matched_count == 2
+    assert sorted(str(t) for t in found if t in FUSED_OPS) == ["latentspeed.add_rms_norm_group_quant.default",
+                                                               "latentspeed.rms_norm_group_quant.default"]
+    assert sum(t in NORM_OPS for t in found) == 1 and sum(t == LINEAR for t in found) == 1  # the router's norm
+    fp8_guard("cpu").counters.zero_()
+    got = gm(*args)
+    assert fp8_guard("cpu").counters.tolist() == [0, 0]
+    assert torch.equal(got[1], expected[1]), "the residual is x + residual, rounded once"
+    assert_close(got[0], expected[0], atol=2e-2, rtol=2e-2, name="fused against unfused")
+    assert got[0].dtype == dtype
+
+
+def test_fused_path_counts_nonfinite_activations():
+    args = list(inputs(torch.bfloat16))
+    args[0][2, 3] = float("nan")
+    gm = make_fx(decoder_slice, tracing_mode="fake")(*args)
+    fusion.NormQuantFusionPass(compiling_config())(gm.graph)
+    gm.recompile()
+    assert any(t in FUSED_OPS for t in targets(gm))
+    counters = fp8_guard("cpu").counters
+    counters.zero_()
+    gm(*args)
+    assert counters[1] > 0, "NaN activations went through the fused quantization uncounted"
+    counters.zero_()
+
+
+def test_pass_leaves_other_epsilons_and_wide_rows():
+    x, w = torch.randn(3, 256).bfloat16(), torch.ones(256).bfloat16()
+    w_fp8, s = weights(128, 256, 3)
+    gm = make_fx(lambda x, w, wf, s: torch.ops.latentspeed.block_fp8_linear(vllm.ir.ops.rms_norm(x, w, 1e-3), wf, s),
+                 tracing_mode="fake")(
+        x, w, w_fp8, s)
+    fusion_pass = fusion.NormQuantFusionPass(compiling_config())
+    fusion_pass(gm.graph)
+    assert fusion_pass.matched_count == 0 and not any(t in FUSED_OPS for t in targets(gm))
+
+
+def test_install_takes_the_post_grad_slot_only_when_asked(monkeypatch):
+    config = compiling_config()
+    key = "post_grad_custom_post_pass"
+    monkeypatch.delenv(fusion.ENV, raising=False)
+    assert not fusion.install(config) and key not in config.compilation_config.inductor_compile_config
+    monkeypatch.setenv(fusion.ENV, "1")
+    assert fusion.install(config) and fusion.install(config)
+    assert isinstance(config.compilation_config.inductor_compile_config[key], fusion.NormQuantFusionPass)
+    eager = compiling_config(CompilationMode.NONE)
+    assert not fusion.install(eager)
+    taken = compiling_config()  # a pass of the user's own stays
+    taken.compilation_config.inductor_compile_config[key] = users_pass = object()
+    assert not fusion.install(taken) and taken.compilation_config.inductor_compile_config[key] is users_pass

@@ -1,0 +1,169 @@
+"""RMSNorm fused with the activation quantization of latentspeed's block-FP8 linear layers, as a
+pass of vLLM's compiler (opt-in: ``LATENTSPEED_FUSE_NORM_QUANT=1``).
+
+``latentspeed.block_fp8_linear`` quantizes its input itself, inside one opaque op, so neither
+Inductor nor vLLM's own ``RMSNormQuantFusionPass`` (which matches vLLM's quantization ops) can fuse
+the RMSNorm in front of it. ``NormQuantFusionPass`` rewrites, in the post-grad graph::
+
+    rms_norm(x, w, eps)                  -> block_fp8_linear(y, W, Ws)
+    fused_add_rms_norm(x, r, w, eps)     -> block_fp8_linear(y, W, Ws), residual
+
+into ``latentspeed.rms_norm_group_quant`` (or ``add_rms_norm_group_quant``, which also returns the
+residual) and ``latentspeed.block_fp8_gemm`` on the quantized rows
+(``common_kernels.fp8.norm_quant``): the normalized row never goes to memory in bf16, and one
+launch goes. A normalized output with other users (DeepSeek-V3's MoE input also feeds the router)
+is left alone, as are variance sizes other than the whole row and rows over ``MAX_COLS``.
+
+The pass takes vLLM's post-grad custom pass slot (``inductor_compile_config``'s
+``post_grad_custom_post_pass``) when the first latentspeed linear layer is built, unless the user
+put a pass there; it runs under ``-O`` levels that compile (``CompilationMode.VLLM_COMPILE``).
+"""
+
+import logging
+import os
+
+import torch
+import torch._inductor.pattern_matcher as pm
+import vllm.ir.ops
+from torch import fx
+from torch._inductor.pattern_matcher import PatternMatcherPass
+from vllm.compilation.passes.inductor_pass import enable_fake_mode
+from vllm.compilation.passes.vllm_inductor_pass import VllmInductorPass, VllmPatternMatcherPass
+from vllm.config import CompilationMode, VllmConfig, get_current_vllm_config
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import direct_register_custom_op
+
+from common_kernels.fp8 import SCALE_BLOCK, add_rms_norm_group_quant, block_scaled_gemm, rms_norm_group_quant
+from common_kernels.fp8.norm_quant import MAX_COLS
+from common_kernels.guard import fp8_guard
+
+logger = logging.getLogger("latentspeed")
+
+ENV = "LATENTSPEED_FUSE_NORM_QUANT"
+EPSILONS = (1e-5, 1e-6)  # as vLLM's own norm fusion: the epsilon is a constant of each pattern
+
+
+def _rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_group_quant(x, weight, epsilon, SCALE_BLOCK, stats=fp8_guard(x.device).counters)
+
+
+def _add_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        epsilon: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return add_rms_norm_group_quant(x, residual, weight, epsilon, SCALE_BLOCK, stats=fp8_guard(x.device).counters)
+
+
+def _gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+          dtype_of: torch.Tensor) -> torch.Tensor:
+    """The GEMM on rows quantized by the norm; the output in ``dtype_of``'s dtype (the norm's
+    weight, whose dtype is the activations': a tensor, since a pattern's replacement would fix a
+    dtype argument when it is traced)."""
+    return block_scaled_gemm(a, a_scale, weight, weight_scale.float(), out_dtype=dtype_of.dtype)
+
+
+def _quantized_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+            x.new_empty(x.shape[0], -(-x.shape[1] // SCALE_BLOCK), dtype=torch.float32))
+
+
+def _rms_norm_quant_fake(x, weight, epsilon):
+    return _quantized_fake(x)
+
+
+def _add_rms_norm_quant_fake(x, residual, weight, epsilon):
+    return *_quantized_fake(x), torch.empty_like(x)
+
+
+def _gemm_fake(a, a_scale, weight, weight_scale, dtype_of):
+    return a.new_empty(a.shape[0], weight.shape[0], dtype=dtype_of.dtype)
+
+
+_LIBRARY = torch.library.Library("latentspeed", "FRAGMENT")  # alive as long as the module
+direct_register_custom_op("rms_norm_group_quant", _rms_norm_quant, fake_impl=_rms_norm_quant_fake,
+                          target_lib=_LIBRARY)
+direct_register_custom_op("add_rms_norm_group_quant", _add_rms_norm_quant, fake_impl=_add_rms_norm_quant_fake,
+                          target_lib=_LIBRARY)
+direct_register_custom_op("block_fp8_gemm", _gemm, fake_impl=_gemm_fake, target_lib=_LIBRARY)
+
+
+_RMS_NORM, _ADD_RMS_NORM = torch.ops.vllm_ir.rms_norm.default, torch.ops.vllm_ir.fused_add_rms_norm.default
+
+
+def _fusable(match: pm.Match) -> bool:
+    """The norm's input and weight share a 16-bit dtype, and a row fits the fused kernel."""
+    for node in match.nodes:
+        if node.target in (_RMS_NORM, _ADD_RMS_NORM):
+            x, weight = node.args[0], node.args[1 if node.target == _RMS_NORM else 2]
+            x_val, weight_val = x.meta["val"], weight.meta["val"]
+            return (x_val.dtype == weight_val.dtype and x_val.dtype in (torch.bfloat16, torch.float16)
+                    and x_val.dim() == 2 and x_val.shape[-1] <= MAX_COLS)
+    return False
+
+
+def _register(patterns: PatternMatcherPass, epsilon: float) -> None:
+    """The two patterns for one epsilon; the one with the residual first (the plain norm's is part
+    of it in torch ops)."""
+    linear, norm_quant = torch.ops.latentspeed.block_fp8_linear.default, torch.ops.latentspeed.rms_norm_group_quant
+    add_norm_quant, gemm = torch.ops.latentspeed.add_rms_norm_group_quant, torch.ops.latentspeed.block_fp8_gemm
+
+    def add_pattern(x, residual, weight, w, w_scale):
+        y, residual_out = vllm.ir.ops.fused_add_rms_norm(x, residual, weight, epsilon)
+        return linear(y, w, w_scale), residual_out
+
+    def add_replacement(x, residual, weight, w, w_scale):
+        q, scales, residual_out = add_norm_quant(x, residual, weight, epsilon)
+        return gemm(q, scales, w, w_scale, weight), residual_out
+
+    def pattern(x, weight, w, w_scale):
+        return linear(vllm.ir.ops.rms_norm(x, weight, epsilon), w, w_scale)
+
+    def replacement(x, weight, w, w_scale):
+        q, scales = norm_quant(x, weight, epsilon)
+        return gemm(q, scales, w, w_scale, weight)
+
+    x, residual = torch.empty(5, 256, dtype=torch.bfloat16), torch.empty(5, 256, dtype=torch.bfloat16)
+    weight = torch.empty(256, dtype=torch.bfloat16)
+    w, w_scale = torch.empty(64, 256, dtype=torch.float8_e4m3fn), torch.empty(1, 2, dtype=torch.float32)
+    pm.register_replacement(add_pattern, add_replacement, [x, residual, weight, w, w_scale], pm.fwd_only, patterns,
+                            extra_check=_fusable)  # distinct example tensors: the tracer merges repeated ones
+    pm.register_replacement(pattern, replacement, [x, weight, w, w_scale], pm.fwd_only, patterns,
+                            extra_check=_fusable)
+
+
+class NormQuantFusionPass(VllmPatternMatcherPass):
+    """The post-grad pass of the module docstring."""
+
+    @enable_fake_mode
+    def __init__(self, config: VllmConfig) -> None:
+        super().__init__(config)
+        self.patterns = PatternMatcherPass(pass_name="latentspeed_norm_quant_fusion_pass")
+        for epsilon in EPSILONS:
+            _register(self.patterns, epsilon)
+
+    @VllmInductorPass.time_and_log
+    def __call__(self, graph: fx.Graph) -> None:
+        self.matched_count = self.patterns.apply(graph)
+        logger.debug("latentspeed: fused %s RMSNorm + fp8 quantizations", self.matched_count)
+
+    def uuid(self) -> str:
+        return self.hash_source(self, _register, _fusable)
+
+
+def install(config: VllmConfig | None = None) -> bool:
+    """Put ``NormQuantFusionPass`` in vLLM's post-grad custom pass slot of ``config`` (default: the
+    config being built) when ``LATENTSPEED_FUSE_NORM_QUANT=1`` and vLLM compiles the model; returns
+    whether it is there. Idempotent; leaves a pass the user put there."""
+    if os.environ.get(ENV, "0") != "1":
+        return False
+    config = config or get_current_vllm_config()
+    if config.compilation_config.mode != CompilationMode.VLLM_COMPILE:
+        return False
+    slot = config.compilation_config.inductor_compile_config
+    present = slot.get(current_platform.pass_key)
+    if isinstance(present, NormQuantFusionPass):
+        return True
+    if present is not None:
+        logger.warning("latentspeed: %s=1 ignored: inductor_compile_config[%r] already holds %r", ENV,
+                       current_platform.pass_key, present)
+        return False
+    slot[current_platform.pass_key] = NormQuantFusionPass(config)
+    return True
