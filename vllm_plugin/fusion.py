@@ -142,7 +142,8 @@ class NormQuantFusionPass(VllmPatternMatcherPass):
     @VllmInductorPass.time_and_log
     def __call__(self, graph: fx.Graph) -> None:
         self.matched_count = self.patterns.apply(graph)
-        logger.debug("latentspeed: fused %s RMSNorm + fp8 quantizations", self.matched_count)
+        VllmPatternMatcherPass.match_table[self.pass_name] += self.matched_count  # vLLM's get_match_table()
+        logger.info("latentspeed: fused %s RMSNorm + fp8 quantizations in this graph", self.matched_count)
 
     def uuid(self) -> str:
         return self.hash_source(self, _register, _fusable)

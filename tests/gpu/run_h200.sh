@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench bench-small tune-gemm tune-moe fp8-bench moe-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 (vLLM
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench bench-small tune-gemm tune-moe fp8-bench moe-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused (vLLM
 #                                         bundle on PYTHONPATH), fp8-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8
 #                                         sglang-ct-e2e sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         refmodel (train the reference model; no engine needed),
@@ -61,6 +61,9 @@ for step in "$@"; do
     e2e-w8)  # block-FP8 weights: latentspeed_fp8 vs vLLM's fp8_per_block (both quantize the bf16 checkpoint)
       python3 tests/gpu/vllm_e2e.py --group w8 --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-w8.json" 2>&1 \
         | tee "$out/e2e-w8.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
+    e2e-w8-fused)  # latentspeed_fp8 with LATENTSPEED_FUSE_NORM_QUANT=1 against without (agreement, throughput, matches)
+      python3 tests/gpu/vllm_e2e.py --group w8-fused --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-w8-fused.json" \
+        2>&1 | tee "$out/e2e-w8-fused.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
     e2e-fp8)
       python3 tests/gpu/vllm_e2e.py --group fp8 --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-fp8.json" 2>&1 \
         | tee "$out/e2e-fp8.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;

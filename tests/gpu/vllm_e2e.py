@@ -44,7 +44,11 @@ ENGINES = {
     # method (its kernels) against latentspeed_fp8 (ours), each with its engine's attention.
     "FLASHMLA-w8": ("FLASHMLA", None, "auto", "fp8_per_block"),
     "latentspeed-w8": ("CUSTOM", "CUSTOM", "auto", "latentspeed_fp8"),
+    # The same with each RMSNorm fused into its linear layer's quantization (vllm_plugin/fusion.py).
+    "latentspeed-w8-fused": ("CUSTOM", "CUSTOM", "auto", "latentspeed_fp8"),
 }
+# Environment of an engine's process beyond the driver's; apply_model reads the fusion pass's matches.
+ENGINE_ENV = {"latentspeed-w8-fused": {"LATENTSPEED_FUSE_NORM_QUANT": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}}
 # (engine that decodes, engine that scores) pairs per group; the first is the floor.
 PAIRS = {
     "bf16": [
@@ -57,6 +61,9 @@ PAIRS = {
     ],
     "w8": [
         ("FLASHMLA-w8", "latentspeed-w8"),
+    ],
+    "w8-fused": [
+        ("latentspeed-w8", "latentspeed-w8-fused"),
     ],
 }
 # Floor measured between TRITON_MLA and FLASHMLA (issue #2): mean 0.010, p99 0.21, max 0.53.
@@ -156,6 +163,10 @@ def worker(args):
     task = json.loads(Path(args.task).read_text())
     llm = make_llm(task["model"], task["engine"], max_model_len=17_000)
     result = {"engine": task["engine"]}
+    if ENGINE_ENV.get(task["engine"], {}).get("LATENTSPEED_FUSE_NORM_QUANT") == "1":
+        from vllm.compilation.passes.vllm_inductor_pass import get_match_table
+
+        result["fusion_matches"] = llm.apply_model(lambda model: get_match_table())
     if task.get("generate"):
         token_prompts = prompts(0, 8, 3000, 12000)
         result["generated"] = generate(llm, token_prompts)
@@ -178,7 +189,8 @@ def run_engine(script: str, workdir: Path, model: str, engine: str, **task):
     task_path = workdir / f"task-{engine}{task.get('suffix', '')}.json"
     task_path.write_text(json.dumps({"model": model, "engine": engine, "workdir": str(workdir), **task}))
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, script, "worker", "--task", str(task_path)], cwd=REPO)
+    proc = subprocess.run([sys.executable, script, "worker", "--task", str(task_path)], cwd=REPO, check=False,
+                          env=dict(os.environ, **ENGINE_ENV.get(engine, {})))
     print(f"[e2e] {engine} {task} finished rc={proc.returncode} in {time.perf_counter() - t0:.0f}s", flush=True)
     if proc.returncode:
         raise SystemExit(f"engine {engine} failed (rc={proc.returncode})")
@@ -239,12 +251,15 @@ def driver(args, engine_names=tuple(ENGINES), pair_groups=PAIRS, script=__file__
                     failed.append(entry)
     report["floor"] = floor or STATED_FLOOR
     for engine, run in runs.items():
-        report["engines"][engine] = {k: run[k] for k in ("throughput", "prefix_cache_rerun") if k in run}
+        report["engines"][engine] = {k: run[k] for k in ("throughput", "prefix_cache_rerun", "fusion_matches")
+                                     if k in run}
     Path(args.out).write_text(json.dumps(report, indent=1))
     for engine, info in report["engines"].items():
         for t in info.get("throughput", []):
             print(f"[e2e] {engine:>22}: {t['requests']}x{t['prompt_len']}+{t['output_len']}: "
                   f"{t['output_tok_s']:.0f} out tok/s, prefill {t['prefill_s']:.2f}s, total {t['total_s']:.2f}s")
+        if "fusion_matches" in info:
+            print(f"[e2e] {engine:>22}: fusion pass matches {info['fusion_matches']}")
         if "prefix_cache_rerun" in info:
             print(f"[e2e] {engine:>22}: prefix-cache rerun {info['prefix_cache_rerun']}")
     if failed:

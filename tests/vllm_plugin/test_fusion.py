@@ -6,6 +6,7 @@ import pytest
 import torch
 import vllm.ir.ops
 from torch.fx.experimental.proxy_tensor import make_fx
+from vllm.compilation.passes.vllm_inductor_pass import get_match_table
 from vllm.config import CompilationConfig, CompilationMode, DeviceConfig, VllmConfig
 
 import vllm_plugin.fp8  # noqa: F401  (registers torch.ops.latentspeed.block_fp8_linear)
@@ -59,10 +60,11 @@ def test_pass_fuses_the_norms_that_feed_only_a_linear(dtype):
     assert sum(t in NORM_OPS for t in targets(gm)) == 3
     expected = gm(*args)
     fusion_pass = fusion.NormQuantFusionPass(compiling_config())
+    before = get_match_table().get("NormQuantFusionPass", 0)
     fusion_pass(gm.graph)
     gm.recompile()
     found = targets(gm)
-    assert fusion_pass.matched_count == 2
+    assert fusion_pass.matched_count == 2 and get_match_table()["NormQuantFusionPass"] == before + 2
     assert sorted(str(t) for t in found if t in FUSED_OPS) == ["latentspeed.add_rms_norm_group_quant.default",
                                                                "latentspeed.rms_norm_group_quant.default"]
     assert sum(t in NORM_OPS for t in found) == 1 and sum(t == LINEAR for t in found) == 1  # the router's norm
