@@ -33,7 +33,7 @@ from vllm.config import CompilationMode, VllmConfig, get_current_vllm_config
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import direct_register_custom_op
 
-from common_kernels.fp8 import SCALE_BLOCK, add_rms_norm_group_quant, block_scaled_gemm, rms_norm_group_quant
+from common_kernels.fp8 import SCALE_BLOCK, block_scaled_gemm, rms_norm_group_quant
 from common_kernels.fp8.norm_quant import MAX_COLS
 from common_kernels.guard import fp8_guard
 
@@ -44,12 +44,13 @@ EPSILONS = (1e-5, 1e-6)  # as vLLM's own norm fusion: the epsilon is a constant 
 
 
 def _rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return rms_norm_group_quant(x, weight, epsilon, SCALE_BLOCK, stats=fp8_guard(x.device).counters)
+    q, scales, _ = rms_norm_group_quant(x, weight, epsilon, group_size=SCALE_BLOCK, stats=fp8_guard(x.device).counters)
+    return q, scales
 
 
 def _add_rms_norm_quant(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                         epsilon: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return add_rms_norm_group_quant(x, residual, weight, epsilon, SCALE_BLOCK, stats=fp8_guard(x.device).counters)
+    return rms_norm_group_quant(x, weight, epsilon, residual, SCALE_BLOCK, stats=fp8_guard(x.device).counters)
 
 
 def _gemm(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

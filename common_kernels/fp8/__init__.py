@@ -6,14 +6,13 @@ adapters share."""
 from .gemm import SCALE_BLOCK, block_scaled_gemm
 from .linear import block_fp8_linear, check_block_scales, quantize_linear_weight, refuse_mismatched_dtypes
 from .moe import append_shared_experts, fused_moe_fp8
-from .norm_quant import add_rms_norm_group_quant, rms_norm_group_quant
+from .norm_quant import rms_norm_group_quant
 from .quant import quantize_per_token, quantize_per_token_group, quantize_weight_blocks
 from .support import MIN_CAPABILITY, check_checkpoint_scheme, claims_checkpoint, is_supported
 
 __all__ = [
     "MIN_CAPABILITY",
     "SCALE_BLOCK",
-    "add_rms_norm_group_quant",
     "append_shared_experts",
     "block_fp8_linear",
     "block_scaled_gemm",

@@ -53,7 +53,25 @@ def _rms_norm_group_quant_kernel(
         tl.atomic_add(stats_ptr + 1, count_nonfinite(y, mask))
 
 
-def _launch(x, residual, weight, eps, group_size, fp8_dtype, pow2_scale, stats):
+def rms_norm_group_quant(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    group_size: int = 128,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    pow2_scale: bool = False,
+    stats: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """RMSNorm of each row of ``x [M, K]`` (bf16/fp16, ``K <= MAX_COLS``), or of ``x + residual``
+    (summed in fp32), with ``weight [K]`` of x's dtype, quantized per ``group_size`` columns as
+    ``quantize_per_token_group`` does. Inputs are not modified.
+
+    Returns ``(q [M, K] fp8, scales [M, cdiv(K, group_size)] fp32, residual_out)``: with a
+    residual, ``residual_out [M, K]`` is the sum in x's dtype (the next residual), else None.
+    ``stats`` (optional ``[2]`` int32 guard counters) gets the non-finite normalized values in
+    ``stats[1]``.
+    """
     for name, t in (("x", x), ("residual", residual)):
         if t is not None and (t.dim() != 2 or t.stride(-1) != 1):
             raise ValueError(f"{name} must be a [M, K] tensor with a contiguous last dim, got {tuple(t.shape)}")
@@ -86,37 +104,3 @@ def _launch(x, residual, weight, eps, group_size, fp8_dtype, pow2_scale, stats):
         )
     return q, scales, residual_out
 
-
-def rms_norm_group_quant(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    group_size: int = 128,
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-    pow2_scale: bool = False,
-    stats: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of each row of ``x [M, K]`` (bf16/fp16, ``K <= MAX_COLS``) with ``weight [K]`` of
-    x's dtype, quantized per ``group_size`` columns as ``quantize_per_token_group`` does.
-
-    Returns ``(q [M, K] fp8, scales [M, cdiv(K, group_size)] fp32)``; ``stats`` (optional ``[2]``
-    int32 guard counters) gets the non-finite normalized values in ``stats[1]``.
-    """
-    q, scales, _ = _launch(x, None, weight, eps, group_size, fp8_dtype, pow2_scale, stats)
-    return q, scales
-
-
-def add_rms_norm_group_quant(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    group_size: int = 128,
-    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-    pow2_scale: bool = False,
-    stats: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``rms_norm_group_quant`` of ``x + residual`` (summed in fp32); also returns that sum in x's
-    dtype, the next residual: ``(q, scales, residual_out [M, K])``. Inputs are not modified."""
-    q, scales, residual_out = _launch(x, residual, weight, eps, group_size, fp8_dtype, pow2_scale, stats)
-    return q, scales, residual_out

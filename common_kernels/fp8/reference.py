@@ -96,8 +96,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
 
 def rms_norm_group_quant_ref(x, weight, eps, residual=None, group_size=128, fp8_dtype=torch.float8_e4m3fn,
                              pow2_scale=False):
-    """Same contract as ``rms_norm_group_quant`` (and, with ``residual``, ``add_rms_norm_group_quant``):
-    the normalization, then ``quantize_per_token_group_ref``."""
+    """Same contract as ``rms_norm_group_quant``: the normalization, then
+    ``quantize_per_token_group_ref``."""
     y, residual_out = rms_norm_ref(x, weight, eps, residual)
-    q, scales = quantize_per_token_group_ref(y, group_size, fp8_dtype, pow2_scale)
-    return (q, scales) if residual is None else (q, scales, residual_out)
+    return *quantize_per_token_group_ref(y, group_size, fp8_dtype, pow2_scale), residual_out
