@@ -114,3 +114,33 @@ def test_install_takes_the_post_grad_slot_only_when_asked(monkeypatch):
     taken = compiling_config()  # a pass of the user's own stays
     taken.compilation_config.inductor_compile_config[key] = users_pass = object()
     assert not fusion.install(taken) and taken.compilation_config.inductor_compile_config[key] is users_pass
+
+
+def linear_as_vllm_calls_it(x, w, w_scale):
+    """vLLM's block-scaled linear kernel around latentspeed's op: its input viewed as 2-D."""
+    out = torch.ops.latentspeed.block_fp8_linear(x.view(-1, x.shape[-1]), w, w_scale)
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
+def test_pass_in_inductors_post_grad_slot():
+    """The pass where vLLM puts it, Inductor's post-grad custom pass, on a graph Inductor built with
+    dynamic token counts (the 2-D views are no-ops Inductor removes first): both norms fused, and
+    the compiled function's output equals the eager unfused one."""
+
+    def layer(x, residual, w_in, w_a, s_a, w_q, w_b, s_b, w_gate):
+        h, residual = vllm.ir.ops.fused_add_rms_norm(x, residual, w_in, 1e-6)
+        q = vllm.ir.ops.rms_norm(linear_as_vllm_calls_it(h, w_a, s_a), w_q, 1e-6)
+        return linear_as_vllm_calls_it(q, w_b, s_b), residual
+
+    args = inputs(torch.bfloat16)
+    expected = layer(*args)
+    before = get_match_table().get("NormQuantFusionPass", 0)
+    torch._dynamo.reset()
+    fusion_pass = fusion.NormQuantFusionPass(compiling_config())
+    with (torch._inductor.config.patch(post_grad_custom_post_pass=fusion_pass, fx_graph_cache=False),
+          torch._functorch.config.patch(enable_autograd_cache=False)):  # a cached graph would skip the pass
+        got = torch.compile(layer, backend="inductor", fullgraph=True, dynamic=True)(*args)
+    torch._dynamo.reset()
+    assert get_match_table()["NormQuantFusionPass"] == before + 2
+    assert torch.equal(got[1], expected[1])
+    assert_close(got[0], expected[0], atol=2e-2, rtol=2e-2, name="compiled fused against eager unfused")
