@@ -17,8 +17,9 @@ only (the plan is made under it too), to time a launch setting without a new rev
     python -m benchmarks.mla_decode_ab --base HEAD --heads 16 --cache e4m3 \
         --ours-set decode_sm90_narrow.NUM_BUFS=3 decode_sm90_narrow.PROGRAMS_PER_SM_FP8=1 --out ab.jsonl
 
-Where the repository's history is not at hand (the GPU host gets the working tree only), ``--base``
-takes a folder of the two modules instead: ``git show REV:common_kernels/mla/decode_sm90.py > DIR/...``.
+Where the repository's history cannot be trusted (on the GPU host, ``git rev-parse HEAD`` named the
+session's first commit after later ones had been made here), ``--base`` takes a folder of the two
+modules instead: ``git show REV:common_kernels/mla/decode_sm90.py > DIR/...``, made here.
 """
 
 import argparse
@@ -44,7 +45,7 @@ OURS = {name: getattr(module, kernel) for name, (kernel, module) in MODULES.item
 
 def revision_source(revision: str, name: str) -> str:
     """Module ``name``'s source at a git revision, or in a folder of copies (``revision`` names one:
-    for a machine that has the working tree but not its history)."""
+    for a machine whose git history is missing or stale)."""
     if Path(revision).is_dir():
         return (Path(revision) / f"{name}.py").read_text()
     return subprocess.run(["git", "show", f"{revision}:common_kernels/mla/{name}.py"], cwd=REPO, check=True,
