@@ -30,10 +30,13 @@ def quantize_groups(x, eps, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_
     """``x`` (fp32) quantized per group along its last axis: ``(values on the fp8 grid in fp32,
     scales)``, the scales with the last axis kept as 1. Correctly rounded divisions (Triton's `/` is
     approximate on GPUs): bit-equal to the reference."""
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), len(x.shape) - 1, keep_dims=True), eps), FP8_MAX)
+    axis: tl.constexpr = len(x.shape) - 1
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis, keep_dims=True), eps), FP8_MAX)
     if POW2_SCALE:
         # Up to the next power of two, exactly: carry any mantissa bit into the exponent.
         scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    # a GPU's max drops NaN operands (the interpreter's keeps them): a NaN must reach its scale
+    scale = tl.where(tl.max((x != x).to(tl.int32), axis, keep_dims=True) > 0, float("nan"), scale)
     y = round_to_fp8_grid(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX), MANT_BITS, MIN_EXP)
     return y, scale
 
@@ -130,14 +133,17 @@ def _token_quant_kernel(
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros([BLOCK], tl.float32)
     nonfinite = tl.zeros([BLOCK], tl.int32)
+    has_nan = tl.zeros([BLOCK], tl.int32)
     for start in range(0, num_cols, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x_m + offs, mask=offs < num_cols, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
         nonfinite += ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
+        has_nan |= (x != x).to(tl.int32)
     scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), eps), FP8_MAX)
     if POW2_SCALE:
         scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    scale = tl.where(tl.sum(has_nan, 0) > 0, float("nan"), scale)  # as in quantize_groups
     for start in range(0, num_cols, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x_m + offs, mask=offs < num_cols, other=0.0).to(tl.float32)

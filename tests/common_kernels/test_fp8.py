@@ -32,13 +32,16 @@ def test_group_quant_matches_reference(fp8_name, shape, pow2_scale, in_dtype):
         assert torch.equal(scales, torch.exp2(torch.log2(scales).round()))
 
 
-def test_group_quant_counts_nonfinite_inputs():
+@pytest.mark.parametrize("pow2_scale", [False, True], ids=["scale", "pow2_scale"])
+def test_group_quant_counts_nonfinite_inputs(pow2_scale):
+    """A NaN reaches its group's scale (a GPU's max drops NaN operands), an infinity makes it infinite."""
     x = torch.randn(3, 256, device=device())
     x[0, 5], x[2, 200] = float("nan"), float("-inf")
     stats = torch.zeros(2, dtype=torch.int32, device=device())
-    _, scales = quantize_per_token_group(x, 128, stats=stats)
+    _, scales = quantize_per_token_group(x, 128, pow2_scale=pow2_scale, stats=stats)
     assert stats.tolist() == [0, 2]
-    assert not torch.isfinite(scales[2, 1]) and torch.isfinite(scales[1]).all()
+    assert torch.isnan(scales[0, 0]) and torch.isinf(scales[2, 1])
+    assert torch.isfinite(scales[[0, 2], [1, 0]]).all() and torch.isfinite(scales[1]).all()
 
 
 @pytest.mark.parametrize("fp8_name", FP8.keys())
@@ -54,12 +57,14 @@ def test_token_quant_matches_reference(fp8_name, shape, pow2_scale):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), "fp8 codes differ from the reference"
 
 
-def test_token_quant_counts_nonfinite_inputs():
+@pytest.mark.parametrize("pow2_scale", [False, True], ids=["scale", "pow2_scale"])
+def test_token_quant_counts_nonfinite_inputs(pow2_scale):
     x = torch.randn(3, 2500, device=device())
     x[0, 5], x[2, 2200] = float("nan"), float("inf")
     stats = torch.zeros(2, dtype=torch.int32, device=device())
-    _, scales = quantize_per_token(x, stats=stats)
+    _, scales = quantize_per_token(x, pow2_scale=pow2_scale, stats=stats)
     assert stats.tolist() == [0, 2] and torch.isfinite(scales[1]).all()
+    assert torch.isnan(scales[0, 0]) and torch.isinf(scales[2, 0])
 
 
 @pytest.mark.parametrize("fp8_name", FP8.keys())
