@@ -8,7 +8,14 @@ import torch
 
 from common_kernels.fp8.moe import BLOCK_M, align_by_expert, append_shared_experts, fused_moe_fp8, untuned_config
 from common_kernels.fp8.reference import align_by_expert_ref, fused_moe_fp8_ref, quantize_weight_blocks_ref
-from tests.helpers import assert_close
+from tests.helpers import assert_close, device
+
+
+@pytest.fixture(autouse=True)
+def on_test_device():
+    """Every tensor a test makes lands on the GPU when there is one (the interpreter's CPU otherwise)."""
+    with torch.device(device()):
+        yield
 
 
 def expert_weights(experts: int, rows: int, cols: int, std: float):

@@ -10,7 +10,8 @@ def _write_overflowing_row(guard: Fp8Guard) -> None:
     kv_c = torch.full((1, 16), 1e6, dtype=torch.bfloat16, device=device())
     k_pe = torch.zeros(1, 16, dtype=torch.bfloat16, device=device())
     cache = torch.zeros(1, 16, 32, device=device()).to(torch.float8_e4m3fn)
-    write_latent_cache(kv_c, k_pe, cache, torch.zeros(1, dtype=torch.long), torch.ones(1), guard.counters)
+    slots, scale = torch.zeros(1, dtype=torch.long, device=device()), torch.ones(1, device=device())
+    write_latent_cache(kv_c, k_pe, cache, slots, scale, guard.counters)
 
 
 def test_guard_raises_on_saturation(monkeypatch):
