@@ -99,14 +99,19 @@ def compare_results(path_a: Path, path_b: Path, a: str, b: str) -> dict:
 def expect_guard_stop(script: str, name: str, timeout: int = 400) -> int:
     """Run ``script guard-child`` under ``LATENTSPEED_FP8_GUARD=raise``; 0 if the engine stopped with
     ``Fp8NumericsError``, 1 if it finished or hung. Its log (written as it runs, so a hang or an
-    outer timeout still leaves it) and a JSON row go to ``$OUT/name.*``."""
+    outer timeout still leaves it) and a JSON row go to ``$OUT/name.*``.
+
+    The engine core is spawned: forked from this process it hung on the H200 in its first pinned
+    host allocation (vLLM's model runner buffers, before the weights load), in both runs that kept a
+    log; spawned, it loads and the guard stops it (``vllm-guard-spawn-2026-12-02.md``)."""
     OUT.mkdir(parents=True, exist_ok=True)
     log_path = OUT / f"{name}.log"
     with open(log_path, "w") as log_file:
         try:
             returncode = subprocess.run([sys.executable, "-u", script, "guard-child"], check=False, stdout=log_file,
                                         stderr=subprocess.STDOUT, timeout=timeout,
-                                        env=dict(os.environ, LATENTSPEED_FP8_GUARD="raise")).returncode
+                                        env=dict(os.environ, LATENTSPEED_FP8_GUARD="raise",
+                                                 VLLM_WORKER_MULTIPROC_METHOD="spawn")).returncode
         except subprocess.TimeoutExpired:  # an engine that neither stops nor finishes fails too
             returncode = None
             print(f"[guard] timed out after {timeout} s", file=log_file, flush=True)
