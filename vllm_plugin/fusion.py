@@ -1,5 +1,5 @@
 """RMSNorm fused with the activation quantization of latentspeed's block-FP8 linear layers, as a
-pass of vLLM's compiler (opt-in: ``LATENTSPEED_FUSE_NORM_QUANT=1``).
+pass of vLLM's compiler (on by default; ``LATENTSPEED_FUSE_NORM_QUANT=0`` turns it off).
 
 ``latentspeed.block_fp8_linear`` quantizes its input itself, inside one opaque op, so neither
 Inductor nor vLLM's own ``RMSNormQuantFusionPass`` (which matches vLLM's quantization ops) can fuse
@@ -152,9 +152,12 @@ class NormQuantFusionPass(VllmPatternMatcherPass):
 
 def install(config: VllmConfig | None = None) -> bool:
     """Put ``NormQuantFusionPass`` in vLLM's post-grad custom pass slot of ``config`` (default: the
-    config being built) when ``LATENTSPEED_FUSE_NORM_QUANT=1`` and vLLM compiles the model; returns
-    whether it is there. Idempotent; leaves a pass the user put there."""
-    if os.environ.get(ENV, "0") != "1":
+    config being built) when vLLM compiles the model, unless ``LATENTSPEED_FUSE_NORM_QUANT=0``;
+    returns whether it is there. Idempotent; leaves a pass the user put there."""
+    setting = os.environ.get(ENV, "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"{ENV}={setting!r}: use 1 (fuse, the default) or 0 (do not)")
+    if setting == "0":
         return False
     config = config or get_current_vllm_config()
     if config.compilation_config.mode != CompilationMode.VLLM_COMPILE:
@@ -164,8 +167,8 @@ def install(config: VllmConfig | None = None) -> bool:
     if isinstance(present, NormQuantFusionPass):
         return True
     if present is not None:
-        logger.warning("latentspeed: %s=1 ignored: inductor_compile_config[%r] already holds %r", ENV,
-                       current_platform.pass_key, present)
+        logger.warning("latentspeed: RMSNorm fusion not installed: inductor_compile_config[%r] already holds %r "
+                       "(%s=0 silences this)", current_platform.pass_key, present, ENV)
         return False
     slot[current_platform.pass_key] = NormQuantFusionPass(config)
     return True

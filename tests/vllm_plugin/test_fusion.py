@@ -101,12 +101,15 @@ def test_pass_leaves_other_epsilons_and_wide_rows():
     assert fusion_pass.matched_count == 0 and not any(t in FUSED_OPS for t in targets(gm))
 
 
-def test_install_takes_the_post_grad_slot_only_when_asked(monkeypatch):
+def test_install_takes_the_post_grad_slot_unless_turned_off(monkeypatch):
     config = compiling_config()
     key = "post_grad_custom_post_pass"
-    monkeypatch.delenv(fusion.ENV, raising=False)
+    monkeypatch.setenv(fusion.ENV, "0")
     assert not fusion.install(config) and key not in config.compilation_config.inductor_compile_config
-    monkeypatch.setenv(fusion.ENV, "1")
+    monkeypatch.setenv(fusion.ENV, "yes")
+    with pytest.raises(ValueError, match="LATENTSPEED_FUSE_NORM_QUANT='yes'"):
+        fusion.install(config)
+    monkeypatch.delenv(fusion.ENV)  # the default
     assert fusion.install(config) and fusion.install(config)
     assert isinstance(config.compilation_config.inductor_compile_config[key], fusion.NormQuantFusionPass)
     eager = compiling_config(CompilationMode.NONE)
