@@ -133,7 +133,7 @@ def gemm_report(block_m: int, block_n: int, num_warps: int, num_stages: int) -> 
 def every_kernel_report() -> dict[str, HopperReport]:
     """Every launchable kernel of ``common_kernels`` at a DeepSeek-V3 launch (fp8 E4M3 where the
     kernel takes fp8), for a check that all of them compile for Hopper."""
-    from common_kernels.fp8 import gemm, moe, norm_quant, quant
+    from common_kernels.fp8 import gemm, moe, norm_quant, quant, silu_mul_quant
     from common_kernels.mla import cache, decode, prefill
 
     bf16, fp8, f32, i32, i64 = torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32, torch.int64
@@ -177,6 +177,10 @@ def every_kernel_report() -> dict[str, HopperReport]:
              stats_ptr=i32),
         dict(HAS_RESIDUAL=True, GROUP=128, NUM_GROUPS=64, POW2_SCALE=False, TRACK_STATS=True, **e4m3), 16, 3,
         floats=("eps", "quant_eps"), unaligned=("num_cols", "stride_s"))
+    reports["silu-and-mul group quantizer"] = compile_for_hopper(
+        silu_mul_quant._silu_mul_group_quant_kernel, dict(x_ptr=bf16, q_ptr=fp8, scale_ptr=f32, stats_ptr=i32),
+        dict(GROUP=128, POW2_SCALE=False, TRACK_STATS=True, BLOCK_ROWS=quant.GROUP_BLOCK_ROWS, **e4m3), 4, 3,
+        floats=("quant_eps",), unaligned=("num_rows", "half", "stride_s"))
     reports["gemm 64x128"] = gemm_report(64, 128, 4, 4)
     reports["gemm split-k sum"] = compile_for_hopper(
         gemm._split_k_sum_kernel, dict(partial_ptr=f32, c_ptr=bf16), dict(SPLIT_K=4, BLOCK=1024), 4, 3,

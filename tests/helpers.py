@@ -1,9 +1,12 @@
-"""Shared test helpers: one assert_close for every kernel test, and the named batch scenarios
-used by kernel and adapter tests alike."""
+"""Shared test helpers: one assert_close for every kernel test, the check of a fused producer's
+quantized output, and the named batch scenarios used by kernel and adapter tests alike."""
 
 from dataclasses import dataclass
 
 import torch
+
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_ULP = {"e4m3": 2.0**-3, "e5m2": 2.0**-2}  # relative spacing of the fp8 grid
 
 
 def device() -> str:
@@ -59,3 +62,17 @@ BATCH_SPECS = {
         BatchSpec("spec_decode_4", (66, 4), q_len=4),
     )
 }
+
+
+def assert_quantized_close(got, expected, fp8_name, group_size=128):
+    """Fused producer + group quantization ``(q, scales)`` against its reference: scales within one
+    bf16 step, values within one fp8 step, and almost all codes the same (the kernel's fp32
+    arithmetic may round differently from torch's and move a value across a boundary)."""
+    (q, scales), (q_ref, scales_ref) = got, expected
+    assert_close(scales, scales_ref, atol=0, rtol=2.0**-7, name="scales")
+    cols = q.shape[1]
+    dequant = q.float() * scales.repeat_interleave(group_size, 1)[:, :cols]
+    dequant_ref = q_ref.float() * scales_ref.repeat_interleave(group_size, 1)[:, :cols]
+    assert_close(dequant, dequant_ref, atol=1e-6, rtol=FP8_ULP[fp8_name] * 1.01, name="dequantized values")
+    same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item()
+    assert same > 0.99, f"only {same:.3f} of the fp8 codes match the reference"

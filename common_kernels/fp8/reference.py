@@ -100,3 +100,14 @@ def rms_norm_group_quant_ref(x, weight, eps, residual=None, group_size=128, fp8_
     ``quantize_per_token_group_ref``."""
     y, residual_out = rms_norm_ref(x, weight, eps, residual)
     return *quantize_per_token_group_ref(y, group_size, fp8_dtype, pow2_scale), residual_out
+
+
+def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """vLLM's SiluAndMul (its native formula and roundings) of ``x [..., 2 * D]``."""
+    half = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :half]) * x[..., half:]
+
+
+def silu_mul_group_quant_ref(x, group_size=128, fp8_dtype=torch.float8_e4m3fn, pow2_scale=False):
+    """Same contract as ``silu_mul_group_quant``: the activation, then ``quantize_per_token_group_ref``."""
+    return quantize_per_token_group_ref(silu_mul_ref(x), group_size, fp8_dtype, pow2_scale)

@@ -6,10 +6,7 @@ import torch
 
 from common_kernels.fp8 import quantize_per_token_group, rms_norm_group_quant
 from common_kernels.fp8.reference import rms_norm_group_quant_ref, rms_norm_ref
-from tests.helpers import assert_close, device
-
-FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-FP8_ULP = {"e4m3": 2.0**-3, "e5m2": 2.0**-2}  # relative spacing of the fp8 grid
+from tests.helpers import FP8, assert_quantized_close, device
 
 
 def inputs(rows, cols, dtype, seed):
@@ -18,19 +15,6 @@ def inputs(rows, cols, dtype, seed):
     residual = torch.randn(rows, cols, generator=gen, device=device()).to(dtype)
     weight = (torch.rand(cols, generator=gen, device=device()) * 2).to(dtype)
     return x, residual, weight
-
-
-def assert_quantized_close(got, expected, fp8_name):
-    """Scales within one bf16 step, values within one fp8 step, and almost all codes the same: the
-    kernel's sum of squares may round differently from torch's, moving a value across a boundary."""
-    (q, scales), (q_ref, scales_ref) = got, expected
-    assert_close(scales, scales_ref, atol=0, rtol=2.0**-7, name="scales")
-    groups = scales.shape[1]
-    dequant = q.float() * scales.repeat_interleave(q.shape[1] // groups + 1, 1)[:, :q.shape[1]]
-    dequant_ref = q_ref.float() * scales_ref.repeat_interleave(q.shape[1] // groups + 1, 1)[:, :q.shape[1]]
-    assert_close(dequant, dequant_ref, atol=1e-6, rtol=FP8_ULP[fp8_name] * 1.01, name="dequantized values")
-    same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item()
-    assert same > 0.99, f"only {same:.3f} of the fp8 codes match the reference"
 
 
 @pytest.mark.parametrize("fp8_name", FP8.keys())

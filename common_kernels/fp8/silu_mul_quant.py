@@ -1,0 +1,84 @@
+"""SiLU-and-mul fused with the per-token-group fp8 quantization of its output (the producer of the
+``down_proj`` input in DeepSeek-V3's dense MLPs and shared experts).
+
+For row ``m`` of ``x [M, 2 * D]`` (gate columns ``[0, D)``, up columns ``[D, 2 * D)``)::
+
+    y[m] = dtype(dtype(silu(gate[m])) * up[m])          (vLLM's SiluAndMul, rounded as it is)
+    q, s = quantize_per_token_group(y, group_size)      (same formula and rounding)
+
+with ``silu(g) = g / (1 + exp(-g))`` in fp32. A program reads ``BLOCK_ROWS`` rows of one group of
+gate and up columns and writes only the fp8 values and their scales: the activated bf16 rows never
+go to memory. Non-finite values of ``y`` are counted into ``stats[1]`` as the group quantizer
+counts its inputs.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fp8_format import FP8_DTYPES, fp8_grid
+from .quant import GROUP_BLOCK_ROWS, QUANT_EPS, count_nonfinite, quantize_groups
+
+
+@triton.jit
+def _silu_mul_group_quant_kernel(
+    x_ptr, q_ptr, scale_ptr, stats_ptr, num_rows, half, stride_x, stride_q, stride_s, quant_eps,
+    GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+    POW2_SCALE: tl.constexpr, TRACK_STATS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    group = tl.program_id(1)
+    offs = group * GROUP + tl.arange(0, GROUP)
+    mask = (rows < num_rows)[:, None] & (offs < half)[None, :]
+    gate_ptrs = x_ptr + rows[:, None] * stride_x + offs[None, :]
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0)
+    up = tl.load(gate_ptrs + half, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    silu = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype).to(tl.float32)
+    # the fp32 product of two 16-bit floats is exact: one rounding after it is the 16-bit multiply
+    y = (silu * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    values, scale = quantize_groups(y, quant_eps, FP8_MAX, MANT_BITS, MIN_EXP, POW2_SCALE)
+    tl.store(q_ptr + rows[:, None] * stride_q + offs[None, :], values.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + rows[:, None] * stride_s + group, scale, mask=(rows < num_rows)[:, None])
+    if TRACK_STATS:
+        tl.atomic_add(stats_ptr + 1, count_nonfinite(y, mask))
+
+
+def silu_mul_group_quant(
+    x: torch.Tensor,
+    group_size: int = 128,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    pow2_scale: bool = False,
+    stats: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu(x[:, :D]) * x[:, D:]`` of ``x [M, 2 * D]`` (bf16/fp16, last dim contiguous),
+    quantized per ``group_size`` columns as ``quantize_per_token_group`` does. ``x`` is not
+    modified.
+
+    Returns ``(q [M, D] fp8, scales [M, cdiv(D, group_size)] fp32)``. ``stats`` (optional ``[2]``
+    int32 guard counters) gets the non-finite activated values in ``stats[1]``.
+    """
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be a [M, 2 * D] tensor with a contiguous last dim, got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be bf16 or fp16, got {x.dtype}")
+    rows, cols = x.shape
+    if cols % 2:
+        raise ValueError(f"x must hold gate and up halves of equal width, got {cols} columns")
+    if group_size < 16 or group_size & (group_size - 1):
+        raise ValueError(f"group_size={group_size} is not supported: a power of two >= 16 is")
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dtype {fp8_dtype} is not supported: one of {FP8_DTYPES} is")
+    half = cols // 2
+    groups = triton.cdiv(half, group_size)
+    q = torch.empty(rows, half, dtype=fp8_dtype, device=x.device)
+    scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    if rows and half:
+        mant_bits, min_exp, fp8_max = fp8_grid(fp8_dtype)
+        block_rows = min(GROUP_BLOCK_ROWS, triton.next_power_of_2(rows))
+        _silu_mul_group_quant_kernel[(triton.cdiv(rows, block_rows), groups)](
+            x, q, scales, stats if stats is not None else scales, rows, half, x.stride(0), q.stride(0),
+            scales.stride(0), QUANT_EPS, GROUP=group_size, FP8_MAX=fp8_max, MANT_BITS=mant_bits,
+            MIN_EXP=min_exp, POW2_SCALE=pow2_scale, TRACK_STATS=stats is not None, BLOCK_ROWS=block_rows,
+        )
+    return q, scales
