@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench bench-small tune-gemm tune-moe fp8-bench moe-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused (vLLM
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench bench-small tune-gemm tune-moe fp8-bench moe-bench producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu (vLLM
 #                                         bundle on PYTHONPATH), fp8-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8
 #                                         sglang-ct-e2e sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         refmodel (train the reference model; no engine needed),
@@ -53,6 +53,8 @@ for step in "$@"; do
     moe-bench)
       python3 benchmarks/fp8_moe.py --out "$out/fp8_moe.json" 2>&1 | tee "$out/moe-bench.log" | tail -n 40 \
         && python3 benchmarks/fp8_moe.py --cuda-graph --out "$out/fp8_moe_graph.json" 2>&1 | tee -a "$out/moe-bench.log" | tail -n 40 ;;
+    producers-bench)  # RMSNorm / SiLU-and-mul + group quantization: latentspeed's fused kernels against vLLM's
+      python3 -m benchmarks.fp8_producers --out "$out/fp8_producers.json" 2>&1 | tee "$out/producers-bench.log" | tail -n 40 ;;
     vllm-guard)  # LATENTSPEED_FP8_GUARD=raise under FLASHMLA with latentspeed_fp8: the logits processor stops the engine
       OUT=$out python3 tests/gpu/vllm_ct_e2e.py guard 2>&1 | tail -n 5 ;;
     e2e-bf16)
@@ -64,6 +66,9 @@ for step in "$@"; do
     e2e-w8-fused)  # latentspeed_fp8 (RMSNorm fused, the default) against LATENTSPEED_FUSE_NORM_QUANT=0 (agreement, throughput, matches)
       python3 tests/gpu/vllm_e2e.py --group w8-fused --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-w8-fused.json" \
         2>&1 | tee "$out/e2e-w8-fused.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
+    e2e-w8-silu)  # latentspeed_fp8 with LATENTSPEED_FUSE_SILU_QUANT=1 against the default (agreement, throughput, matches)
+      python3 tests/gpu/vllm_e2e.py --group w8-silu --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-w8-silu.json" \
+        2>&1 | tee "$out/e2e-w8-silu.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
     e2e-fp8)
       python3 tests/gpu/vllm_e2e.py --group fp8 --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-fp8.json" 2>&1 \
         | tee "$out/e2e-fp8.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;

@@ -46,11 +46,14 @@ ENGINES = {
     "latentspeed-w8": ("CUSTOM", "CUSTOM", "auto", "latentspeed_fp8"),
     # The same without the RMSNorm fused into its linear layer's quantization (vllm_plugin/fusion.py).
     "latentspeed-w8-unfused": ("CUSTOM", "CUSTOM", "auto", "latentspeed_fp8"),
+    # The same with SiLU-and-mul also fused into down_proj's quantization (LATENTSPEED_FUSE_SILU_QUANT=1).
+    "latentspeed-w8-silu": ("CUSTOM", "CUSTOM", "auto", "latentspeed_fp8"),
 }
 # Environment of an engine's process beyond the driver's; apply_model reads the fusion pass's matches.
 ENGINE_ENV = {
     "latentspeed-w8": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
     "latentspeed-w8-unfused": {"LATENTSPEED_FUSE_NORM_QUANT": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
+    "latentspeed-w8-silu": {"LATENTSPEED_FUSE_SILU_QUANT": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},
 }
 # (engine that decodes, engine that scores) pairs per group; the first is the floor.
 PAIRS = {
@@ -67,6 +70,9 @@ PAIRS = {
     ],
     "w8-fused": [
         ("latentspeed-w8-unfused", "latentspeed-w8"),
+    ],
+    "w8-silu": [
+        ("latentspeed-w8", "latentspeed-w8-silu"),
     ],
 }
 # Floor measured between TRITON_MLA and FLASHMLA (issue #2): mean 0.010, p99 0.21, max 0.53.

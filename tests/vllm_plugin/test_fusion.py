@@ -1,13 +1,16 @@
-"""The RMSNorm + fp8 quantization fusion pass (``vllm_plugin/fusion.py``) on graphs built from
-vLLM 0.26.0's own ``vllm.ir`` norm ops and latentspeed's linear op, as vLLM's compiler hands them
-to post-grad passes; the rewritten graphs then run (Triton's interpreter) against the originals."""
+"""The producer + fp8 quantization fusion pass (``vllm_plugin/fusion.py``) on graphs built from
+vLLM 0.26.0's own ``vllm.ir`` norm ops and native ``SiluAndMul`` and latentspeed's linear op, as
+vLLM's compiler hands them to post-grad passes; the rewritten graphs then run (Triton's
+interpreter) against the originals."""
 
 import pytest
 import torch
 import vllm.ir.ops
+from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 from vllm.compilation.passes.vllm_inductor_pass import get_match_table
 from vllm.config import CompilationConfig, CompilationMode, DeviceConfig, VllmConfig
+from vllm.model_executor.layers.activation import SiluAndMul
 
 import vllm_plugin.fp8  # noqa: F401  (registers torch.ops.latentspeed.block_fp8_linear)
 from common_kernels.fp8 import quantize_weight_blocks
@@ -18,6 +21,7 @@ from vllm_plugin import fusion
 LINEAR = torch.ops.latentspeed.block_fp8_linear.default
 NORM_OPS = {torch.ops.vllm_ir.rms_norm.default, torch.ops.vllm_ir.fused_add_rms_norm.default}
 FUSED_OPS = {torch.ops.latentspeed.rms_norm_group_quant.default, torch.ops.latentspeed.add_rms_norm_group_quant.default}
+SILU_QUANT = torch.ops.latentspeed.silu_mul_group_quant.default
 
 
 def weights(n, k, seed):
@@ -59,12 +63,12 @@ def test_pass_fuses_the_norms_that_feed_only_a_linear(dtype):
     gm = make_fx(decoder_slice, tracing_mode="fake")(*args)
     assert sum(t in NORM_OPS for t in targets(gm)) == 3
     expected = gm(*args)
-    fusion_pass = fusion.NormQuantFusionPass(compiling_config())
-    before = get_match_table().get("NormQuantFusionPass", 0)
+    fusion_pass = fusion.QuantFusionPass(compiling_config())
+    before = get_match_table().get("QuantFusionPass", 0)
     fusion_pass(gm.graph)
     gm.recompile()
     found = targets(gm)
-    assert fusion_pass.matched_count == 2 and get_match_table()["NormQuantFusionPass"] == before + 2
+    assert fusion_pass.matched_count == 2 and get_match_table()["QuantFusionPass"] == before + 2
     assert sorted(str(t) for t in found if t in FUSED_OPS) == ["latentspeed.add_rms_norm_group_quant.default",
                                                                "latentspeed.rms_norm_group_quant.default"]
     assert sum(t in NORM_OPS for t in found) == 1 and sum(t == LINEAR for t in found) == 1  # the router's norm
@@ -80,7 +84,7 @@ def test_fused_path_counts_nonfinite_activations():
     args = list(inputs(torch.bfloat16))
     args[0][2, 3] = float("nan")
     gm = make_fx(decoder_slice, tracing_mode="fake")(*args)
-    fusion.NormQuantFusionPass(compiling_config())(gm.graph)
+    fusion.QuantFusionPass(compiling_config())(gm.graph)
     gm.recompile()
     assert any(t in FUSED_OPS for t in targets(gm))
     counters = fp8_guard("cpu").counters
@@ -96,7 +100,7 @@ def test_pass_leaves_other_epsilons_and_wide_rows():
     gm = make_fx(lambda x, w, wf, s: torch.ops.latentspeed.block_fp8_linear(vllm.ir.ops.rms_norm(x, w, 1e-3), wf, s),
                  tracing_mode="fake")(
         x, w, w_fp8, s)
-    fusion_pass = fusion.NormQuantFusionPass(compiling_config())
+    fusion_pass = fusion.QuantFusionPass(compiling_config())
     fusion_pass(gm.graph)
     assert fusion_pass.matched_count == 0 and not any(t in FUSED_OPS for t in targets(gm))
 
@@ -104,14 +108,24 @@ def test_pass_leaves_other_epsilons_and_wide_rows():
 def test_install_takes_the_post_grad_slot_unless_turned_off(monkeypatch):
     config = compiling_config()
     key = "post_grad_custom_post_pass"
-    monkeypatch.setenv(fusion.ENV, "0")
+    monkeypatch.setenv(fusion.NORM_ENV, "0")
     assert not fusion.install(config) and key not in config.compilation_config.inductor_compile_config
-    monkeypatch.setenv(fusion.ENV, "yes")
+    monkeypatch.setenv(fusion.NORM_ENV, "yes")
     with pytest.raises(ValueError, match="LATENTSPEED_FUSE_NORM_QUANT='yes'"):
         fusion.install(config)
-    monkeypatch.delenv(fusion.ENV)  # the default
+    monkeypatch.delenv(fusion.NORM_ENV)  # the default: norms fused, SiLU-and-mul not
     assert fusion.install(config) and fusion.install(config)
-    assert isinstance(config.compilation_config.inductor_compile_config[key], fusion.NormQuantFusionPass)
+    installed = config.compilation_config.inductor_compile_config[key]
+    assert isinstance(installed, fusion.QuantFusionPass) and (installed.norm, installed.silu_mul) == (True, False)
+    monkeypatch.setenv(fusion.NORM_ENV, "0")
+    monkeypatch.setenv(fusion.SILU_ENV, "1")
+    silu_only = compiling_config()
+    assert fusion.install(silu_only)
+    installed_silu = silu_only.compilation_config.inductor_compile_config[key]
+    assert (installed_silu.norm, installed_silu.silu_mul) == (False, True)
+    assert installed_silu.uuid() != installed.uuid(), "vLLM's compile cache must tell the two apart"
+    monkeypatch.delenv(fusion.NORM_ENV)
+    monkeypatch.delenv(fusion.SILU_ENV)
     eager = compiling_config(CompilationMode.NONE)
     assert not fusion.install(eager)
     taken = compiling_config()  # a pass of the user's own stays
@@ -137,13 +151,87 @@ def test_pass_in_inductors_post_grad_slot():
 
     args = inputs(torch.bfloat16)
     expected = layer(*args)
-    before = get_match_table().get("NormQuantFusionPass", 0)
+    before = get_match_table().get("QuantFusionPass", 0)
     torch._dynamo.reset()
-    fusion_pass = fusion.NormQuantFusionPass(compiling_config())
+    fusion_pass = fusion.QuantFusionPass(compiling_config())
     with (torch._inductor.config.patch(post_grad_custom_post_pass=fusion_pass, fx_graph_cache=False),
           torch._functorch.config.patch(enable_autograd_cache=False)):  # a cached graph would skip the pass
         got = torch.compile(layer, backend="inductor", fullgraph=True, dynamic=True)(*args)
     torch._dynamo.reset()
-    assert get_match_table()["NormQuantFusionPass"] == before + 2
+    assert get_match_table()["QuantFusionPass"] == before + 2
     assert torch.equal(got[1], expected[1])
     assert_close(got[0], expected[0], atol=2e-2, rtol=2e-2, name="compiled fused against eager unfused")
+
+
+def mlp(x, w_gate_up, s_gate_up, w_down, s_down, w_probe):
+    """DeepSeek-V3's dense MLP and shared expert: gate_up_proj, SiLU-and-mul, down_proj; then a
+    second SiLU-and-mul of the same width whose output also feeds a bf16 product (not fusable)."""
+    y = torch.ops.latentspeed.block_fp8_linear(SiluAndMul.forward_native(
+        torch.ops.latentspeed.block_fp8_linear(x, w_gate_up, s_gate_up)), w_down, s_down)
+    act = SiluAndMul.forward_native(torch.ops.latentspeed.block_fp8_linear(y, w_gate_up, s_gate_up))
+    return torch.ops.latentspeed.block_fp8_linear(act, w_down, s_down) + act @ w_probe
+
+
+def mlp_inputs(dtype, inter=320):
+    """A ragged intermediate width (320: the last quantization group holds 64 columns)."""
+    gen = torch.Generator().manual_seed(4)
+    hidden = 256
+    w_gate_up, s_gate_up = weights(2 * inter, hidden, 5)
+    w_down, s_down = weights(hidden, inter, 6)
+    return (torch.randn(7, hidden, generator=gen).to(dtype), w_gate_up, s_gate_up, w_down, s_down,
+            torch.randn(inter, hidden, generator=gen).to(dtype) / 16)
+
+
+def decomposed_graph(fn, args):
+    """``fn`` traced with Inductor's decompositions, as its post-grad graphs hold SiLU."""
+    return make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_pass_fuses_the_silu_mul_that_feeds_only_a_linear(dtype):
+    args = mlp_inputs(dtype)
+    gm = decomposed_graph(mlp, args)
+    expected = gm(*args)
+    fusion_pass = fusion.QuantFusionPass(compiling_config(), norm=False, silu_mul=True)
+    fusion_pass(gm.graph)
+    gm.recompile()
+    found = targets(gm)
+    assert fusion_pass.matched_count == 1 and fusion_pass.gate_widths == {320}
+    assert sum(t == SILU_QUANT for t in found) == 1 and sum(t == LINEAR for t in found) == 3  # the probed one stays
+    fp8_guard("cpu").counters.zero_()
+    got = gm(*args)
+    assert fp8_guard("cpu").counters.tolist() == [0, 0]
+    assert_close(got, expected, atol=2e-2, rtol=2e-2, name="fused against unfused")
+    assert got.dtype == dtype
+
+
+def test_silu_mul_is_left_unless_turned_on_and_counts_nonfinite_values():
+    args = list(mlp_inputs(torch.bfloat16))
+    gm = decomposed_graph(mlp, args)
+    norms_only = fusion.QuantFusionPass(compiling_config())
+    norms_only(gm.graph)
+    assert norms_only.matched_count == 0 and SILU_QUANT not in targets(gm)
+    fusion.QuantFusionPass(compiling_config(), norm=False, silu_mul=True)(gm.graph)
+    gm.recompile()
+    args[0][3, 5] = float("nan")
+    counters = fp8_guard("cpu").counters
+    counters.zero_()
+    gm(*args)
+    assert counters[1] > 0, "NaN activations went through the fused quantization uncounted"
+    counters.zero_()
+
+
+def test_silu_mul_pass_in_inductors_post_grad_slot():
+    """SiLU-and-mul as Inductor decomposes it (fp32 ``x / (1 + exp(-x))``), with the token count
+    dynamic and the widths static as in vLLM: fused, and equal to the eager unfused function."""
+    args = mlp_inputs(torch.bfloat16, inter=256)
+    expected = mlp(*args)
+    torch._dynamo.reset()
+    fusion_pass = fusion.QuantFusionPass(compiling_config(), norm=False, silu_mul=True)
+    torch._dynamo.mark_dynamic(args[0], 0)
+    with (torch._inductor.config.patch(post_grad_custom_post_pass=fusion_pass, fx_graph_cache=False),
+          torch._functorch.config.patch(enable_autograd_cache=False)):
+        got = torch.compile(mlp, backend="inductor", fullgraph=True)(*args)
+    torch._dynamo.reset()
+    assert fusion_pass.matched_count == 1 and fusion_pass.gate_widths == {256}
+    assert_close(got, expected, atol=2e-2, rtol=2e-2, name="compiled fused against eager unfused")
