@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8_format import FP8_DTYPES, fp8_grid
-from .quant import QUANT_EPS, count_nonfinite, quantize_groups
+from ..fp8_format import fp8_grid
+from .quant import QUANT_EPS, check_group_format, count_nonfinite, quantize_groups
 
 MAX_COLS = 16384  # a row is one program's registers: DeepSeek-V3's 7168 and its 1536-wide q_a_layernorm fit
 
@@ -83,10 +83,7 @@ def rms_norm_group_quant(
         raise ValueError(f"weight must be [{cols}] in {x.dtype} (x's dtype), got {tuple(weight.shape)}, {weight.dtype}")
     if cols > MAX_COLS:
         raise ValueError(f"rows of {cols} values are not supported: at most {MAX_COLS}")
-    if group_size < 16 or group_size & (group_size - 1):
-        raise ValueError(f"group_size={group_size} is not supported: a power of two >= 16 is")
-    if fp8_dtype not in FP8_DTYPES:
-        raise ValueError(f"fp8_dtype {fp8_dtype} is not supported: one of {FP8_DTYPES} is")
+    check_group_format(group_size, fp8_dtype)
     groups = triton.cdiv(cols, group_size)
     q = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
     scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)

@@ -47,6 +47,38 @@ def count_nonfinite(x, mask):
     return tl.sum((((x != x) | (tl.abs(x) == float("inf"))) & mask).to(tl.int32))
 
 
+def check_group_format(group_size: int, fp8_dtype: torch.dtype) -> None:
+    """Refuse a group size or fp8 format the group quantizers do not take, naming it."""
+    if group_size < 16 or group_size & (group_size - 1):
+        raise ValueError(f"group_size={group_size} is not supported: a power of two >= 16 is")
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dtype {fp8_dtype} is not supported: one of {FP8_DTYPES} is")
+
+
+@triton.jit
+def group_tile(num_rows, num_cols, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """This program's ``BLOCK_ROWS`` rows and group (axis 0 and 1 of the grid): ``(rows, group,
+    column offsets, in-bounds mask)``."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    group = tl.program_id(1)
+    offs = group * GROUP + tl.arange(0, GROUP)
+    return rows, group, offs, (rows < num_rows)[:, None] & (offs < num_cols)[None, :]
+
+
+@triton.jit
+def store_quantized_groups(x, rows, offs, mask, group, num_rows, q_ptr, scale_ptr, stats_ptr, stride_q, stride_s, eps,
+                           FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+                           POW2_SCALE: tl.constexpr, TRACK_STATS: tl.constexpr):
+    """``x [BLOCK_ROWS, GROUP]`` (fp32; ``rows``, column offsets ``offs``, ``mask``) quantized as one
+    group per row, its values and the rows' scales (column ``group``) stored, its non-finite values
+    counted into ``stats[1]``."""
+    y, scale = quantize_groups(x, eps, FP8_MAX, MANT_BITS, MIN_EXP, POW2_SCALE)  # scale [BLOCK_ROWS, 1]
+    tl.store(q_ptr + rows[:, None] * stride_q + offs[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + rows[:, None] * stride_s + group, scale, mask=(rows < num_rows)[:, None])
+    if TRACK_STATS:
+        tl.atomic_add(stats_ptr + 1, count_nonfinite(x, mask))
+
+
 @triton.jit
 def _group_quant_kernel(
     x_ptr,
@@ -69,16 +101,10 @@ def _group_quant_kernel(
 ):
     """One group of ``BLOCK_ROWS`` rows: a program of 128 threads per 128 values would be all
     launch and no work (a DeepSeek-V3 MoE at 4096 tokens quantizes 0.75 M groups)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    group = tl.program_id(1)
-    offs = group * GROUP + tl.arange(0, GROUP)
-    mask = (rows < num_rows)[:, None] & (offs < num_cols)[None, :]
+    rows, group, offs, mask = group_tile(num_rows, num_cols, GROUP, BLOCK_ROWS)
     x = tl.load(x_ptr + rows[:, None] * stride_x_m + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    y, scale = quantize_groups(x, eps, FP8_MAX, MANT_BITS, MIN_EXP, POW2_SCALE)  # scale [BLOCK_ROWS, 1]
-    tl.store(q_ptr + rows[:, None] * stride_q_m + offs[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + rows[:, None] * stride_s_m + group, scale, mask=(rows < num_rows)[:, None])
-    if TRACK_STATS:
-        tl.atomic_add(stats_ptr + 1, count_nonfinite(x, mask))
+    store_quantized_groups(x, rows, offs, mask, group, num_rows, q_ptr, scale_ptr, stats_ptr, stride_q_m, stride_s_m,
+                           eps, FP8_MAX, MANT_BITS, MIN_EXP, POW2_SCALE, TRACK_STATS)
 
 
 def quantize_per_token_group(
@@ -104,10 +130,7 @@ def quantize_per_token_group(
     """
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be a [M, K] tensor with a contiguous last dim, got {tuple(x.shape)}")
-    if group_size < 16 or group_size & (group_size - 1):
-        raise ValueError(f"group_size={group_size} is not supported: a power of two >= 16 is")
-    if fp8_dtype not in FP8_DTYPES:
-        raise ValueError(f"fp8_dtype {fp8_dtype} is not supported: one of {FP8_DTYPES} is")
+    check_group_format(group_size, fp8_dtype)
     rows, cols = x.shape
     groups = triton.cdiv(cols, group_size)
     q = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)

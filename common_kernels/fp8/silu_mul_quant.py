@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8_format import FP8_DTYPES, fp8_grid
-from .quant import GROUP_BLOCK_ROWS, QUANT_EPS, count_nonfinite, quantize_groups
+from ..fp8_format import fp8_grid
+from .quant import GROUP_BLOCK_ROWS, QUANT_EPS, check_group_format, group_tile, store_quantized_groups
 
 
 @triton.jit
@@ -26,10 +26,7 @@ def _silu_mul_group_quant_kernel(
     GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
     POW2_SCALE: tl.constexpr, TRACK_STATS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    group = tl.program_id(1)
-    offs = group * GROUP + tl.arange(0, GROUP)
-    mask = (rows < num_rows)[:, None] & (offs < half)[None, :]
+    rows, group, offs, mask = group_tile(num_rows, half, GROUP, BLOCK_ROWS)
     gate_ptrs = x_ptr + rows[:, None] * stride_x + offs[None, :]
     gate = tl.load(gate_ptrs, mask=mask, other=0.0)
     up = tl.load(gate_ptrs + half, mask=mask, other=0.0)
@@ -37,11 +34,8 @@ def _silu_mul_group_quant_kernel(
     silu = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype).to(tl.float32)
     # the fp32 product of two 16-bit floats is exact: one rounding after it is the 16-bit multiply
     y = (silu * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
-    values, scale = quantize_groups(y, quant_eps, FP8_MAX, MANT_BITS, MIN_EXP, POW2_SCALE)
-    tl.store(q_ptr + rows[:, None] * stride_q + offs[None, :], values.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + rows[:, None] * stride_s + group, scale, mask=(rows < num_rows)[:, None])
-    if TRACK_STATS:
-        tl.atomic_add(stats_ptr + 1, count_nonfinite(y, mask))
+    store_quantized_groups(y, rows, offs, mask, group, num_rows, q_ptr, scale_ptr, stats_ptr, stride_q, stride_s,
+                           quant_eps, FP8_MAX, MANT_BITS, MIN_EXP, POW2_SCALE, TRACK_STATS)
 
 
 def silu_mul_group_quant(
@@ -65,10 +59,7 @@ def silu_mul_group_quant(
     rows, cols = x.shape
     if cols % 2:
         raise ValueError(f"x must hold gate and up halves of equal width, got {cols} columns")
-    if group_size < 16 or group_size & (group_size - 1):
-        raise ValueError(f"group_size={group_size} is not supported: a power of two >= 16 is")
-    if fp8_dtype not in FP8_DTYPES:
-        raise ValueError(f"fp8_dtype {fp8_dtype} is not supported: one of {FP8_DTYPES} is")
+    check_group_format(group_size, fp8_dtype)
     half = cols // 2
     groups = triton.cdiv(half, group_size)
     q = torch.empty(rows, half, dtype=fp8_dtype, device=x.device)

@@ -49,6 +49,15 @@ def inputs(dtype):
             .to(dtype), w_b, s_b, torch.randn(hidden, q_rank, generator=gen).to(dtype) / 16)
 
 
+def assert_counts_nonfinite(gm, args):
+    """Running the rewritten graph on inputs holding a NaN moves the guard's non-finite counter."""
+    counters = fp8_guard("cpu").counters
+    counters.zero_()
+    gm(*args)
+    assert counters[1] > 0, "NaN activations went through the fused quantization uncounted"
+    counters.zero_()
+
+
 def compiling_config(mode=CompilationMode.VLLM_COMPILE):
     return VllmConfig(device_config=DeviceConfig("cpu"), compilation_config=CompilationConfig(mode=mode))
 
@@ -87,11 +96,7 @@ def test_fused_path_counts_nonfinite_activations():
     fusion.QuantFusionPass(compiling_config())(gm.graph)
     gm.recompile()
     assert any(t in FUSED_OPS for t in targets(gm))
-    counters = fp8_guard("cpu").counters
-    counters.zero_()
-    gm(*args)
-    assert counters[1] > 0, "NaN activations went through the fused quantization uncounted"
-    counters.zero_()
+    assert_counts_nonfinite(gm, args)
 
 
 def test_pass_leaves_other_epsilons_and_wide_rows():
@@ -214,11 +219,7 @@ def test_silu_mul_is_left_unless_turned_on_and_counts_nonfinite_values():
     fusion.QuantFusionPass(compiling_config(), norm=False, silu_mul=True)(gm.graph)
     gm.recompile()
     args[0][3, 5] = float("nan")
-    counters = fp8_guard("cpu").counters
-    counters.zero_()
-    gm(*args)
-    assert counters[1] > 0, "NaN activations went through the fused quantization uncounted"
-    counters.zero_()
+    assert_counts_nonfinite(gm, args)
 
 
 def test_silu_mul_pass_in_inductors_post_grad_slot():
