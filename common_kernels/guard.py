@@ -9,6 +9,12 @@ acts by ``LATENTSPEED_FP8_GUARD``:
 - ``warn`` (default): log once for each new batch of clamped or non-finite values;
 - ``raise``: raise ``Fp8NumericsError``, which stops the engine instead of serving garbage;
 - ``off``: do not read the counters.
+
+Every read that finds new counts also adds them to two Prometheus counters,
+``latentspeed:fp8_clamped_values_total`` and ``latentspeed:fp8_nonfinite_values_total``, when
+Prometheus' multiprocess mode is on (``PROMETHEUS_MULTIPROC_DIR``, which SGLang's
+``--enable-metrics`` sets before it starts the schedulers that run the model, and vLLM's
+``--api-server-count`` above 1): the engine's ``/metrics`` then serves their sum over processes.
 """
 
 import logging
@@ -56,6 +62,7 @@ class Fp8Guard:
                 f"{nonfinite} non-finite values written so far (kv-cache scale too small, or "
                 "non-finite activations upstream)"
             )
+            _publish(saturated - self._reported[0], nonfinite - self._reported[1])
             self._reported = (saturated, nonfinite)
             if self.mode == "raise":
                 raise Fp8NumericsError(message)
@@ -64,6 +71,22 @@ class Fp8Guard:
 
 
 _GUARDS: dict[torch.device, Fp8Guard] = {}
+_METRICS: list = []  # the two Prometheus counters, made on first use in a process
+
+
+def _publish(clamped: int, nonfinite: int) -> None:
+    """Add new counts to the Prometheus counters, in multiprocess mode only (a process-local
+    registry would never reach the engine's ``/metrics``)."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return
+    if not _METRICS:
+        from prometheus_client import Counter  # imported once the directory is set, as the mode requires
+
+        _METRICS.extend(Counter(f"latentspeed:fp8_{what}_values", f"Values latentspeed's fp8 quantizers {doc}")
+                        for what, doc in (("clamped", "clamped at the fp8 maximum"),
+                                          ("nonfinite", "saw non-finite (NaN or infinite)")))
+    _METRICS[0].inc(clamped)
+    _METRICS[1].inc(nonfinite)
 
 
 def fp8_guard(device: torch.device | str) -> Fp8Guard:

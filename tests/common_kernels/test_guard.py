@@ -38,3 +38,43 @@ def test_guard_rejects_unknown_mode(monkeypatch):
     monkeypatch.setenv("LATENTSPEED_FP8_GUARD", "loud")
     with pytest.raises(ValueError, match="LATENTSPEED_FP8_GUARD='loud'"):
         Fp8Guard(torch.device("cpu"))
+
+
+PUBLISHING = """
+import sys, torch
+from common_kernels.guard import Fp8Guard
+from prometheus_client import CollectorRegistry, multiprocess
+guard = Fp8Guard(torch.device("cpu"), check_every=1)
+for clamped, nonfinite in ((0, 0), (3, 0), (3, 5), (4, 5)):  # totals after each pass
+    guard.counters.copy_(torch.tensor([clamped, nonfinite], dtype=torch.int32))
+    guard.step()
+registry = CollectorRegistry()
+multiprocess.MultiProcessCollector(registry)
+values = {sample.name: sample.value for metric in registry.collect() for sample in metric.samples}
+print(values.get("latentspeed:fp8_clamped_values_total"), values.get("latentspeed:fp8_nonfinite_values_total"))
+"""
+
+
+def test_guard_publishes_prometheus_counters_in_multiprocess_mode(tmp_path):
+    """In a fresh process (the mode must be set before prometheus_client is imported), as an
+    engine's worker would: the counters hold the totals the guard has read."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), LATENTSPEED_FP8_GUARD="warn")
+    done = subprocess.run([sys.executable, "-c", PUBLISHING], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["4.0", "5.0"]
+
+
+def test_guard_publishes_nothing_without_multiprocess_mode(monkeypatch):
+    from common_kernels import guard as guard_module
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.setenv("LATENTSPEED_FP8_GUARD", "warn")
+    guard = Fp8Guard(torch.device("cpu"), check_every=1)
+    guard.counters[1] += 2
+    guard.step()
+    assert guard_module._METRICS == [], "a process-local registry never reaches the engine's /metrics"
