@@ -101,17 +101,23 @@ def expect_guard_stop(script: str, name: str, timeout: int = 400) -> int:
     ``Fp8NumericsError``, 1 if it finished or hung. Its log (written as it runs, so a hang or an
     outer timeout still leaves it) and a JSON row go to ``$OUT/name.*``.
 
-    The engine core is spawned: forked from this process it hung on the H200 in its first pinned
-    host allocation (vLLM's model runner buffers, before the weights load), in both runs that kept a
-    log; spawned, it loads and the guard stops it (``vllm-guard-spawn-2026-12-02.md``)."""
+    The checkpoint is written here, not in the child: a process that has run torch's CPU thread
+    pool and then forks (as vLLM forks its engine core) leaves the child's first parallel CPU op
+    waiting forever -- on the H200 the engine core hung in its first pinned allocation
+    (``vllm-guard-spawn-2026-12-02.md``)."""
+    sys.path.insert(0, str(REPO))
+    from tests.tiny_checkpoints import bf16_tensors, write_checkpoint
+
+    tensors = bf16_tensors()
+    tensors["model.layers.1.input_layernorm.weight"][5] = float("nan")
+    write_checkpoint(NAN_CHECKPOINT, "bf16", tensors)
     OUT.mkdir(parents=True, exist_ok=True)
     log_path = OUT / f"{name}.log"
     with open(log_path, "w") as log_file:
         try:
             returncode = subprocess.run([sys.executable, "-u", script, "guard-child"], check=False, stdout=log_file,
                                         stderr=subprocess.STDOUT, timeout=timeout,
-                                        env=dict(os.environ, LATENTSPEED_FP8_GUARD="raise",
-                                                 VLLM_WORKER_MULTIPROC_METHOD="spawn")).returncode
+                                        env=dict(os.environ, LATENTSPEED_FP8_GUARD="raise")).returncode
         except subprocess.TimeoutExpired:  # an engine that neither stops nor finishes fails too
             returncode = None
             print(f"[guard] timed out after {timeout} s", file=log_file, flush=True)
@@ -125,20 +131,17 @@ def expect_guard_stop(script: str, name: str, timeout: int = 400) -> int:
 
 
 def guard_child() -> None:
-    """vLLM's own attention (FLASHMLA) with latentspeed_fp8's linears on a copy of the bf16 checkpoint
-    whose layer-1 ``input_layernorm`` holds a NaN: the activations quantized after it are non-finite.
-    Only the logits processor of ``vllm_plugin.guard`` reads the guard here."""
+    """vLLM's own attention (FLASHMLA) with latentspeed_fp8's linears on the copy of the bf16
+    checkpoint (written by ``expect_guard_stop``) whose layer-1 ``input_layernorm`` holds a NaN: the
+    activations quantized after it are non-finite. Only the logits processor of
+    ``vllm_plugin.guard`` reads the guard here."""
     sys.path.insert(0, str(REPO))
     from vllm import LLM, SamplingParams, TokensPrompt
 
     from tests.gpu.vllm_e2e import prompts
-    from tests.tiny_checkpoints import bf16_tensors, write_checkpoint
 
-    tensors = bf16_tensors()
-    tensors["model.layers.1.input_layernorm.weight"][5] = float("nan")
-    write_checkpoint(NAN_CHECKPOINT, "bf16", tensors)
     # CUDA graphs for batches of 1-4 only: one request decodes here, and each captured size compiles
-    # its own GEMM launches (with vLLM's default sizes the run outlasted 280 s on the H200, no log)
+    # its own GEMM launches
     llm = LLM(model=str(NAN_CHECKPOINT), quantization="latentspeed_fp8", skip_tokenizer_init=True, dtype="bfloat16",
               block_size=64, max_model_len=2048, gpu_memory_utilization=0.3, seed=0, max_num_seqs=4,
               compilation_config={"cudagraph_capture_sizes": [1, 2, 4]}, attention_config={"backend": "FLASHMLA"})
