@@ -220,6 +220,7 @@ def _weight_block_quant_kernel(
     mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
     w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(w), 1), 0), eps), FP8_MAX)
+    scale = tl.where(tl.sum(tl.sum((w != w).to(tl.int32), 1), 0) > 0, float("nan"), scale)  # as in quantize_groups
     y = round_to_fp8_grid(tl.minimum(tl.maximum(tl.math.div_rn(w, scale), -FP8_MAX), FP8_MAX), MANT_BITS, MIN_EXP)
     tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + block_n * stride_s + block_k, scale)
