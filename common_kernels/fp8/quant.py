@@ -25,18 +25,32 @@ GROUP_BLOCK_ROWS = 16  # rows per program of the group quantizer
 
 
 @triton.jit
+def max_nan(a, b):
+    """``max`` that keeps a NaN operand (a GPU's default ``max`` drops it, the interpreter's keeps
+    it): as a reduction's combine function, a NaN input reaches its group's scale."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def scale_of(amax, eps, FP8_MAX: tl.constexpr, POW2_SCALE: tl.constexpr):
+    """The scale for an absolute maximum ``amax`` (NaN stays NaN, infinity infinite)."""
+    scale = tl.math.div_rn(max_nan(amax, eps), FP8_MAX)
+    if POW2_SCALE:
+        # Up to the next power of two, exactly: carry any mantissa bit into the exponent (a NaN's
+        # bits would carry out of it).
+        pow2 = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+        scale = tl.where(scale == scale, pow2, scale)
+    return scale
+
+
+@triton.jit
 def quantize_groups(x, eps, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
                     POW2_SCALE: tl.constexpr):
     """``x`` (fp32) quantized per group along its last axis: ``(values on the fp8 grid in fp32,
     scales)``, the scales with the last axis kept as 1. Correctly rounded divisions (Triton's `/` is
     approximate on GPUs): bit-equal to the reference."""
-    axis: tl.constexpr = len(x.shape) - 1
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis, keep_dims=True), eps), FP8_MAX)
-    if POW2_SCALE:
-        # Up to the next power of two, exactly: carry any mantissa bit into the exponent.
-        scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
-    # a GPU's max drops NaN operands (the interpreter's keeps them): a NaN must reach its scale
-    scale = tl.where(tl.max((x != x).to(tl.int32), axis, keep_dims=True) > 0, float("nan"), scale)
+    amax = tl.reduce(tl.abs(x), len(x.shape) - 1, max_nan, keep_dims=True)
+    scale = scale_of(amax, eps, FP8_MAX, POW2_SCALE)
     y = round_to_fp8_grid(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX), MANT_BITS, MIN_EXP)
     return y, scale
 
@@ -156,17 +170,12 @@ def _token_quant_kernel(
     row = tl.program_id(0).to(tl.int64)
     amax = tl.zeros([BLOCK], tl.float32)
     nonfinite = tl.zeros([BLOCK], tl.int32)
-    has_nan = tl.zeros([BLOCK], tl.int32)
     for start in range(0, num_cols, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x_m + offs, mask=offs < num_cols, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
+        amax = max_nan(amax, tl.abs(x))
         nonfinite += ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
-        has_nan |= (x != x).to(tl.int32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), eps), FP8_MAX)
-    if POW2_SCALE:
-        scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
-    scale = tl.where(tl.sum(has_nan, 0) > 0, float("nan"), scale)  # as in quantize_groups
+    scale = scale_of(tl.reduce(amax, 0, max_nan), eps, FP8_MAX, POW2_SCALE)
     for start in range(0, num_cols, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x_m + offs, mask=offs < num_cols, other=0.0).to(tl.float32)
@@ -219,8 +228,7 @@ def _weight_block_quant_kernel(
     cols = block_k * BLOCK + tl.arange(0, BLOCK)
     mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
     w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(w), 1), 0), eps), FP8_MAX)
-    scale = tl.where(tl.sum(tl.sum((w != w).to(tl.int32), 1), 0) > 0, float("nan"), scale)  # as in quantize_groups
+    scale = scale_of(tl.reduce(tl.reduce(tl.abs(w), 1, max_nan), 0, max_nan), eps, FP8_MAX, False)
     y = round_to_fp8_grid(tl.minimum(tl.maximum(tl.math.div_rn(w, scale), -FP8_MAX), FP8_MAX), MANT_BITS, MIN_EXP)
     tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + block_n * stride_s + block_k, scale)
