@@ -53,6 +53,16 @@ def _rms_norm_group_quant_kernel(
         tl.atomic_add(stats_ptr + 1, count_nonfinite(y, mask))
 
 
+def _num_warps(rows: int, lanes: int) -> int:
+    """Up to 128 rows (a decode batch) latency rules: 4 values a thread, at most 16 warps. Above
+    it, 16 values a thread, at most 8 warps. On the H200 (``fp8-producers-2026-12-02.md``): at 128
+    rows 16 warps beat 8 and 4 by 8-21 % (7168- and 1536-wide rows); at 4096-16384 rows 8 warps
+    beat 16 by 5-9 % on 7168-wide rows, and 4 beat 8 and 16 on 1536-wide ones."""
+    if rows <= 128:
+        return min(16, max(1, lanes // 128))
+    return min(8, max(1, lanes // 512))
+
+
 def rms_norm_group_quant(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -91,15 +101,13 @@ def rms_norm_group_quant(
     if rows and cols:
         mant_bits, min_exp, fp8_max = fp8_grid(fp8_dtype)
         num_groups = triton.next_power_of_2(groups)
-        # 16 values a thread up to 8 warps: on the H200, 8 warps beat 16 by 5-9 % on 7168-wide rows
-        # at 4096-16384 tokens, and 4 beat 8 on 1536-wide ones (benchmarks/notes.md, 2026-12-02)
         _rms_norm_group_quant_kernel[(rows,)](
             x, residual if residual is not None else x, residual_out if residual is not None else x,
             weight.contiguous(), q, scales, stats if stats is not None else scales, cols, x.stride(0),
             residual.stride(0) if residual is not None else 0, residual_out.stride(0) if residual is not None else 0,
             q.stride(0), scales.stride(0), eps, QUANT_EPS, HAS_RESIDUAL=residual is not None, GROUP=group_size,
             NUM_GROUPS=num_groups, FP8_MAX=fp8_max, MANT_BITS=mant_bits, MIN_EXP=min_exp, POW2_SCALE=pow2_scale,
-            TRACK_STATS=stats is not None, num_warps=min(8, max(1, num_groups * group_size // 512)),
+            TRACK_STATS=stats is not None, num_warps=_num_warps(rows, num_groups * group_size),
         )
     return q, scales, residual_out
 
