@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench bench-small tune-gemm tune-moe fp8-bench moe-bench producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu (vLLM
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench bench-small tune-gemm tune-moe fp8-bench moe-bench producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide (vLLM
 #                                         bundle on PYTHONPATH), fp8-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8
 #                                         sglang-ct-e2e sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         refmodel (train the reference model; no engine needed),
@@ -69,6 +69,13 @@ for step in "$@"; do
     e2e-w8-silu)  # latentspeed_fp8 with LATENTSPEED_FUSE_SILU_QUANT=1 against the default (agreement, throughput, matches)
       python3 tests/gpu/vllm_e2e.py --group w8-silu --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-w8-silu.json" \
         2>&1 | tee "$out/e2e-w8-silu.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
+    e2e-wide)  # the w8-fused and w8-silu groups on DeepSeek-V3's widths (examples/tiny_deepseek_v3.py --widths deepseek-v3)
+      for group in w8-fused w8-silu; do
+        python3 tests/gpu/vllm_e2e.py --group $group --widths deepseek-v3 --throughput --reuse --workdir /tmp/e2e-wide \
+          --out "$out/e2e-wide-$group.json" 2>&1 | tee "$out/e2e-wide-$group.log" | grep -E '^\[e2e\]|Error|error|Traceback' \
+          | tail -n 60
+        [ "${PIPESTATUS[0]}" = 0 ] || { echo "e2e-wide group $group failed"; status=1; }
+      done ;;
     e2e-fp8)
       python3 tests/gpu/vllm_e2e.py --group fp8 --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-fp8.json" 2>&1 \
         | tee "$out/e2e-fp8.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;

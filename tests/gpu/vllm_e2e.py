@@ -2,7 +2,9 @@
 
 Needs a GPU host with vLLM 0.26.0 and latentspeed installed (the entry point registers the
 backend). Builds the tiny DeepSeek-V3 of ``examples/tiny_deepseek_v3.py`` (real MLA sizes,
-random weights at init scale, saved as safetensors), then, one engine per process:
+random weights at init scale, saved as safetensors; ``--widths deepseek-v3``: every other width
+of DeepSeek-V3 too, so the GEMMs, norms and activations run at the real model's shapes), then,
+one engine per process:
 
 - agreement: each backend decodes greedy continuations of long prompts (3k-12k tokens);
   the other backend scores the same sequences as prompts (prefill path), and the
@@ -31,6 +33,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "examples"))
+from tiny_deepseek_v3 import WIDTHS, make_tiny_deepseek_v3  # noqa: E402
 GEN_TOKENS = 64
 ENGINES = {
     # name: (attention backend, MLA prefill backend, kv-cache dtype, quantization)
@@ -173,7 +177,7 @@ def worker(args):
     if reads_matches:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model sends a function to the worker
     llm = make_llm(task["model"], task["engine"], max_model_len=17_000)
-    result = {"engine": task["engine"]}
+    result = {"engine": task["engine"], "model": task["model"]}
     if reads_matches:
         from vllm.compilation.passes.vllm_inductor_pass import get_match_table
 
@@ -220,18 +224,15 @@ def driver(args, engine_names=tuple(ENGINES), pair_groups=PAIRS, script=__file__
     """
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    model = str(workdir / "tiny-dsv3")
+    model = str(workdir / ("tiny-dsv3" if args.widths == "tiny" else f"tiny-dsv3-{args.widths}-widths"))
     if not (Path(model) / "config.json").exists():
-        sys.path.insert(0, str(REPO / "examples"))
-        from tiny_deepseek_v3 import make_tiny_deepseek_v3
-
-        make_tiny_deepseek_v3(model)
+        make_tiny_deepseek_v3(model, widths=args.widths)
     pairs = pair_groups[args.group]
     engines = sorted({e for pair in pairs for e in pair}, key=list(engine_names).index)
     runs = {}
     for engine in engines:  # everyone decodes; each scores what its partner decoded, if ready
         previous = workdir / f"{engine}.json"
-        if args.reuse and previous.exists():
+        if args.reuse and previous.exists() and json.loads(previous.read_text()).get("model") == model:
             runs[engine] = json.loads(previous.read_text())
             continue
         partners = [a if b == engine else b for a, b in pairs if engine in (a, b)]
@@ -243,7 +244,7 @@ def driver(args, engine_names=tuple(ENGINES), pair_groups=PAIRS, script=__file__
         missing = [p for p in partners if p not in runs[engine]["scores"]]
         if missing:
             runs[engine]["scores"].update(run_engine(script, workdir, model, engine, score=missing, suffix="-score")["scores"])
-    report = {"group": args.group, "pairs": [], "engines": {}}
+    report = {"group": args.group, "widths": args.widths, "pairs": [], "engines": {}}
     failed = []
     floor = None
     for decoder, scorer in pairs:
@@ -287,6 +288,8 @@ def parse_args(description: str, pair_groups: dict, workdir: str, out: str) -> a
     parser.add_argument("--out", default=out)
     parser.add_argument("--throughput", action="store_true")
     parser.add_argument("--reuse", action="store_true", help="reuse decodes an earlier run left in --workdir")
+    parser.add_argument("--widths", choices=sorted(WIDTHS), default="tiny",
+                        help="the model's widths (examples/tiny_deepseek_v3.py): tiny, or DeepSeek-V3's own")
     return parser.parse_args()
 
 
