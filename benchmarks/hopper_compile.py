@@ -175,7 +175,7 @@ def every_kernel_report() -> dict[str, HopperReport]:
         norm_quant._rms_norm_group_quant_kernel,
         dict(x_ptr=bf16, residual_ptr=bf16, residual_out_ptr=bf16, weight_ptr=bf16, q_ptr=fp8, scale_ptr=f32,
              stats_ptr=i32),
-        dict(HAS_RESIDUAL=True, GROUP=128, NUM_GROUPS=64, POW2_SCALE=False, TRACK_STATS=True, **e4m3), 16, 3,
+        dict(HAS_RESIDUAL=True, GROUP=128, NUM_GROUPS=64, POW2_SCALE=False, TRACK_STATS=True, **e4m3), 8, 3,
         floats=("eps", "quant_eps"), unaligned=("num_cols", "stride_s"))
     reports["silu-and-mul group quantizer"] = compile_for_hopper(
         silu_mul_quant._silu_mul_group_quant_kernel, dict(x_ptr=bf16, q_ptr=fp8, scale_ptr=f32, stats_ptr=i32),
