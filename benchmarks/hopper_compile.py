@@ -40,7 +40,7 @@ class HopperReport:
     wgmma: int  # wgmma.mma_async instructions in the PTX
     async_copies: int  # cp.async copies the software pipeliner made (ttgir ops)
     mma_layouts: tuple[str, ...]  # warpsPerCTA and instrShape of each MMA layout
-    wgmma_serialized: bool  # ptxas C7511: it waits after every wgmma, short of registers for the pipeline
+    wgmma_serialized: bool  # ptxas waits after every wgmma: C7511 (short of registers), C7514/C7515 (see gemm_sm90)
     shared_bytes: int  # shared memory a program takes (sm_90 gives a block at most 227 KiB)
 
     def line(self) -> str:
@@ -133,7 +133,7 @@ def gemm_report(block_m: int, block_n: int, num_warps: int, num_stages: int) -> 
 def every_kernel_report() -> dict[str, HopperReport]:
     """Every launchable kernel of ``common_kernels`` at a DeepSeek-V3 launch (fp8 E4M3 where the
     kernel takes fp8), for a check that all of them compile for Hopper."""
-    from common_kernels.fp8 import gemm, moe, norm_quant, quant, silu_mul_quant
+    from common_kernels.fp8 import gemm, gemm_sm90, moe, norm_quant, quant, silu_mul_quant
     from common_kernels.mla import cache, decode, prefill
 
     bf16, fp8, f32, i32, i64 = torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32, torch.int64
@@ -182,6 +182,12 @@ def every_kernel_report() -> dict[str, HopperReport]:
         dict(GROUP=128, POW2_SCALE=False, TRACK_STATS=True, BLOCK_ROWS=quant.GROUP_BLOCK_ROWS, **e4m3), 4, 3,
         floats=("quant_eps",), unaligned=("num_rows", "half", "stride_s"))
     reports["gemm 64x128"] = gemm_report(64, 128, 4, 4)
+    for bn in (128, 64):  # the Gluon GEMM (gemm_sm90): its wgmma must not be serialized by ptxas
+        reports[f"gemm sm90 128x{bn}"] = compile_for_hopper(
+            gemm_sm90.block_scaled_gemm_kernel_sm90, dict(a_ptr=fp8, b_ptr=fp8, c_ptr=bf16, a_scale_ptr=f32,
+                                                          b_scale_ptr=f32),
+            dict(BLOCK_K=128, BLOCK_M=128, BLOCK_N=bn, GROUP_M=8, NUM_STAGES=4), 8, 1,
+            unaligned=("M", "stride_asm", "stride_bsn"))
     reports["gemm split-k sum"] = compile_for_hopper(
         gemm._split_k_sum_kernel, dict(partial_ptr=f32, c_ptr=bf16), dict(SPLIT_K=4, BLOCK=1024), 4, 3,
         unaligned=("M",))

@@ -2,7 +2,8 @@
 
 For each DeepSeek-V3 linear shape (``fp8_gemm.SHAPES``, or ``--shapes N,K ...``) and each M, every
 candidate (tile sizes, pipeline stages, warps, K splits; the space depends on M: split K and
-narrow tiles for small M, large tiles for large M) is compiled, checked against the reference
+narrow tiles for small M, large tiles for large M; on Hopper from M = 128 also the Gluon kernel
+of ``gemm_sm90``, ``"KERNEL": "sm90"``) is compiled, checked against the reference
 on the same operands, and timed (CUDA-event median, L2 flushed). The winners are written as
 the table ``common_kernels.fp8.gemm`` reads (``configs/gemm_<GPU name>.json``, or the file that
 ``LATENTSPEED_FP8_GEMM_CONFIGS`` names), with the time of each winner and of the untuned default.
@@ -40,6 +41,9 @@ def candidates(m: int, k: int):
     for bm, bn, stages, warps, split in space:
         if split == 1 or k_blocks // split >= 2:
             yield dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, GROUP_M=8, num_warps=warps, num_stages=stages)
+    if m >= 128 and k % 16 == 0 and torch.cuda.get_device_capability()[0] == 9:  # the Gluon kernel (gemm_sm90)
+        for (bm, bn, warps), stages in itertools.product(((128, 128, 8), (128, 64, 8), (64, 64, 4)), (4, 5, 6)):
+            yield dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, GROUP_M=8, num_warps=warps, num_stages=stages, KERNEL="sm90")
 
 
 def tune_one(m: int, n: int, k: int, w, ws, sms: int) -> dict:

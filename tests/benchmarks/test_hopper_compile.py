@@ -24,19 +24,21 @@ def hopper_compile(*args: str) -> dict:
 
 def test_every_kernel_compiles_for_hopper():
     reports = hopper_compile("all")
-    assert len(reports) == 25
+    assert len(reports) == 27
     for label, report in reports.items():
         if label.startswith("decode, "):
             assert report["async_copies"] > 0, f"{label}: the tile loads are not pipelined"
             if "128 heads" in label:  # 64-row groups: wgmma
                 assert report["wgmma"] > 0, f"{label}: no wgmma"
     for label in ("decode, 128 heads, bf16", "decode, 128 heads, e4m3", "prefill, 192/128, causal", "gemm 64x128",
-                  "moe gate/up gemm", "moe down gemm"):
+                  "gemm sm90 128x128", "gemm sm90 128x64", "moe gate/up gemm", "moe down gemm"):
         assert reports[label]["wgmma"] > 0 and reports[label]["async_copies"] > 0, label
-    assert reports["gemm 64x128"]["spill_bytes"] == 0
+    for label in ("gemm 64x128", "gemm sm90 128x128", "gemm sm90 128x64"):
+        assert reports[label]["spill_bytes"] == 0, label
     assert all(report["shared_bytes"] <= 227 * 1024 for report in reports.values())
     serialized = [label for label, report in reports.items() if report["wgmma_serialized"]]
-    assert not serialized, f"ptxas serializes the wgmma of {serialized} (C7511: short of registers)"
+    assert not serialized, f"ptxas serializes the wgmma of {serialized} (C7511: short of registers; C7514/C7515: " \
+                           "other instructions touch an in-flight accumulator)"
     # 64-row groups over a paged cache compile the Gluon kernel: scores split by keys between the
     # two warpgroups ([4, 2] warps, 32-key wgmma), no spills
     for label in ("decode, 128 heads, bf16", "decode, 128 heads, e4m3", "decode, 128 heads, e4m3, extend prefix"):

@@ -138,6 +138,20 @@ def test_gemm_config_choice():
                                                                                 "sixty-four", "big", "big"]
 
 
+def test_sm90_gemm_refuses_other_devices_and_configs():
+    """The Gluon kernel (``gemm_sm90``, GPU-tested in ``tests/gpu/test_gemm_sm90.py``) is only
+    launched where it runs, with configs it takes."""
+    a, a_scale = quantize_per_token_group_ref(torch.randn(4, 256))
+    b, b_scale = quantize_weight_blocks_ref(torch.randn(128, 256))
+    config = dict(BLOCK_M=128, BLOCK_N=128, SPLIT_K=1, GROUP_M=8, num_warps=8, num_stages=4, KERNEL="sm90")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="Hopper GPUs only"):
+            block_scaled_gemm(a, a_scale, b, b_scale, config=config)
+    for bad in (dict(BLOCK_N=256), dict(SPLIT_K=2), dict(BLOCK_M=64), dict(num_stages=2)):
+        with pytest.raises(ValueError, match="does not fit the sm_90 GEMM kernel"):
+            block_scaled_gemm(a, a_scale, b, b_scale, config=dict(config, **bad))
+
+
 def test_block_scaled_gemm_rejects_malformed_scales():
     a, a_scale = quantize_per_token_group_ref(torch.randn(4, 256))
     b, b_scale = quantize_weight_blocks_ref(torch.randn(128, 256))

@@ -1,0 +1,46 @@
+"""The Gluon block-FP8 GEMM for Hopper (``common_kernels/fp8/gemm_sm90.py``) on an sm_90 GPU,
+against the fp32 reference and the Triton kernel, at every config the tuner may pick for it.
+It cannot run in the interpreter; ``benchmarks/hopper_compile.py`` compiles it on any machine.
+
+    pytest tests/gpu/test_gemm_sm90.py -q          (skipped without an sm_90 GPU)
+
+Shapes: ragged M and N (a partial last weight block), K of one, two, three and five blocks (the
+kernel takes K blocks in pairs: both parities), a partial last K block, and DeepSeek-V3's
+``fused_qkv_a_proj`` at prefill size. Outputs start as NaN; the tolerance is the Triton GEMM
+tests' (``tests/common_kernels/test_fp8.py``): both sum the same fp32 partials in the same order.
+"""
+
+import pytest
+import torch
+
+from common_kernels.fp8 import block_scaled_gemm
+from common_kernels.fp8.reference import block_scaled_gemm_ref, quantize_per_token_group_ref, quantize_weight_blocks_ref
+from tests.helpers import assert_close
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                reason="needs an sm_90 GPU")
+SM90_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, GROUP_M=8, num_warps=warps, num_stages=stages, KERNEL="sm90")
+                for bm, bn, warps in ((128, 128, 8), (128, 64, 8), (64, 64, 4)) for stages in (3, 4, 6)]
+
+
+@pytest.mark.parametrize("config", SM90_CONFIGS, ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}-s{c['num_stages']}")
+@pytest.mark.parametrize("m, n, k", [(1, 64, 128), (70, 200, 256), (300, 2112, 384), (129, 576, 640),
+                                     (33, 256, 208), (4096, 2112, 7168)])
+def test_matches_reference_and_triton(config, m, n, k):
+    x = torch.randn(m, k, device="cuda") * 3
+    w = torch.randn(n, k, device="cuda") * 0.02
+    a, a_scale = quantize_per_token_group_ref(x)
+    b, b_scale = quantize_weight_blocks_ref(w)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    block_scaled_gemm(a, a_scale, b, b_scale, out=out, config=config)
+    ref = block_scaled_gemm_ref(a, a_scale, b, b_scale, torch.float32)
+    assert_close(out, ref, atol=1e-3, rtol=1e-2, name="sm90 gemm")
+    triton_out = block_scaled_gemm(a, a_scale, b, b_scale)  # the tuned table's Triton config
+    assert_close(out, triton_out, atol=1e-3, rtol=1e-2, name="sm90 gemm vs triton")
+
+
+def test_refuses_rows_it_cannot_copy():
+    a, a_scale = quantize_per_token_group_ref(torch.randn(8, 200, device="cuda"))
+    b, b_scale = quantize_weight_blocks_ref(torch.randn(64, 200, device="cuda"))
+    with pytest.raises(ValueError, match="16-byte aligned rows"):
+        block_scaled_gemm(a, a_scale, b, b_scale, config=SM90_CONFIGS[0])
