@@ -1,5 +1,6 @@
-"""Block-scaled fp8 GEMM time: latentspeed against vLLM's Triton, CUTLASS and DeepGEMM kernels, SGLang's
-Triton and CUTLASS kernels, and bf16 cuBLAS.
+"""Block-scaled fp8 GEMM time: latentspeed (its tuned table's choice, and the Gluon kernel for Hopper
+at one config) against vLLM's Triton, CUTLASS and DeepGEMM kernels, SGLang's Triton and CUTLASS
+kernels, and bf16 cuBLAS.
 
 DeepSeek-V3's linear shapes (N, K) at M = 1 ... 4096, one process, same weights for everyone:
 E4M3 weights with 128 x 128 block scales, activations quantized per 1 x 128 group by each
@@ -35,6 +36,18 @@ SHAPES = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168)
 def ours(x, w, ws):
     a, a_s = quantize_per_token_group(x)
     return lambda: block_scaled_gemm(a, a_s, w, ws)
+
+
+SM90_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, SPLIT_K=1, GROUP_M=8, num_warps=8, num_stages=5, KERNEL="sm90")
+
+
+def ours_sm90(x, w, ws):
+    """The Gluon kernel (``gemm_sm90``) at one fixed config, before any tuned table picks it;
+    from M = 128 (below, its 128-row tiles are mostly padding)."""
+    if x.shape[0] < 128:
+        return None
+    a, a_s = quantize_per_token_group(x)
+    return lambda: block_scaled_gemm(a, a_s, w, ws, config=SM90_CONFIG)
 
 
 def vllm_triton(x, w, ws):
@@ -96,7 +109,7 @@ def cublas_bf16(x, w, ws):
     return lambda: x @ w_bf16.T
 
 
-PROVIDERS = {"latentspeed": ours, "vLLM-Triton": vllm_triton, "vLLM-CUTLASS": vllm_cutlass,
+PROVIDERS = {"latentspeed": ours, "latentspeed-sm90": ours_sm90, "vLLM-Triton": vllm_triton, "vLLM-CUTLASS": vllm_cutlass,
              "vLLM-DeepGEMM": vllm_deep_gemm, "SGLang-Triton": sglang_triton, "SGLang-CUTLASS": sglang_cutlass,
              "cuBLAS-bf16": cublas_bf16}
 
@@ -130,6 +143,8 @@ def main():
                 row = dict(provider=name, m=m, n=n, k=k, us=us, tflop_s=2 * m * n * k / us / 1e6, rel_err=err)
                 if name == "latentspeed":
                     row.update(quant_us=quant_us, config=gemm_config(m, n, k, x.device))
+                if name == "latentspeed-sm90":
+                    row.update(config=SM90_CONFIG)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     with open(args.out, "w") as f:
