@@ -7,7 +7,8 @@ the ``--attention-backend`` choices (also ``--decode-attention-backend`` /
 prefix, registers the backend factory, and adds the quantization
 method ``latentspeed_fp8`` (``sglang_plugin/fp8.py``), and hooks ``ModelRunner.forward`` (through
 SGLang's ``HookRegistry``) so the fp8 guard counts every forward pass, whichever attention backend
-runs. The DeepSeek tables are filled when the factory first runs, in the scheduler, so the
+runs, and ``ModelRunner.load_model`` so the producers that the fusion switches name are fused with
+the activation quantization (``sglang_plugin/fusion.py``). The DeepSeek tables are filled when the factory first runs, in the scheduler, so the
 launcher never imports models.
 """
 
@@ -43,6 +44,9 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(FORWARD_TARGET, after_forward, HookType.AFTER)
+    from .fusion import LOAD_TARGET, after_load_model
+
+    HookRegistry.register(LOAD_TARGET, after_load_model, HookType.AFTER)
     _registered = True
 
 

@@ -24,6 +24,7 @@ from common_kernels.fp8 import (
     MIN_CAPABILITY,
     SCALE_BLOCK,
     block_fp8_linear,
+    block_scaled_gemm,
     check_block_scales,
     check_checkpoint_scheme,
     claims_checkpoint,
@@ -55,10 +56,14 @@ def _refuse_mismatched_expert_dtypes(layer, scale_name: str) -> None:
 
 
 def block_linear(input, weight, block_size, weight_scale, input_scale=None, bias=None):
-    """SGLang's ``w8a8_block_fp8_linear`` signature over latentspeed's GEMM."""
-    if input_scale is not None or list(block_size) != BLOCK:
-        raise ValueError(f"{NAME}: needs bf16/fp16 activations and 128 x 128 blocks, got block {list(block_size)}"
-                         f"{' and pre-quantized activations' if input_scale is not None else ''}")
+    """SGLang's ``w8a8_block_fp8_linear`` signature over latentspeed's GEMM. ``input_scale`` given:
+    ``input`` is already fp8 with 1 x 128 group scales (a fused producer, ``sglang_plugin.fusion``),
+    and the output is bf16."""
+    if list(block_size) != BLOCK:
+        raise ValueError(f"{NAME}: needs 128 x 128 weight blocks, got {list(block_size)}")
+    if input_scale is not None:
+        out = block_scaled_gemm(input, input_scale, weight, weight_scale.float(), out_dtype=torch.bfloat16)
+        return out + bias if bias is not None else out
     out = block_fp8_linear(input.reshape(-1, input.shape[-1]), weight, weight_scale)
     if bias is not None:
         out = out + bias

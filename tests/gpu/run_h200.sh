@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
 #   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench bench-small tune-gemm tune-moe fp8-bench moe-bench producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide (vLLM
-#                                         bundle on PYTHONPATH), fp8-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8
+#                                         bundle on PYTHONPATH), fp8-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8 sglang-e2e-w8-fused
 #                                         sglang-ct-e2e sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         refmodel (train the reference model; no engine needed),
 #                                         refmodel-eval-vllm refmodel-eval-sglang (its perplexity table, that engine staged)
@@ -91,7 +91,7 @@ for step in "$@"; do
       ckpts=(); for d in "${CHECKPOINTS:-/nonexistent}"/*/; do [ -f "$d/config.json" ] && ckpts+=(--checkpoint "$(basename "$d")=$d"); done
       python3 -m benchmarks.reference_model.engine_eval --engine "$engine" --model "$refmodel" "${ckpts[@]}" ${EVAL_ARGS:-} \
         --out "$out/$step.json" 2>"$out/$step.log" | tee "$out/$step.md" ;;
-    sglang-e2e-bf16|sglang-e2e-fp8|sglang-e2e-w8)
+    sglang-e2e-bf16|sglang-e2e-fp8|sglang-e2e-w8|sglang-e2e-w8-fused)  # w8-fused: sglang_plugin/fusion.py on
       group=${step#sglang-e2e-}
       python3 tests/gpu/sglang_e2e.py --group "$group" --throughput --reuse --workdir /tmp/e2e-sglang \
         --out "$out/$step.json" 2>&1 | tee "$out/$step.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;

@@ -29,6 +29,8 @@ ENGINES = {
     # FP8 weights quantized from the bf16 checkpoint: SGLang's fp8 (per-channel) against latentspeed_fp8 (blocks).
     "flashinfer-w8": ("flashinfer", "auto", None, "fp8"),
     "latentspeed-w8": ("latentspeed", "auto", 64, "latentspeed_fp8"),
+    # The same with RMSNorm and SiLU-and-mul fused into the activation quantization (sglang_plugin/fusion.py).
+    "latentspeed-w8-fused": ("latentspeed", "auto", 64, "latentspeed_fp8"),
 }
 PAIRS = {
     "bf16": [
@@ -40,10 +42,16 @@ PAIRS = {
         ("triton-fp8_e4m3", "latentspeed-fp8_e4m3"),
         ("flashinfer-bf16", "latentspeed-fp8_e5m2"),
     ],
+    "w8-fused": [
+        ("latentspeed-w8", "latentspeed-w8-fused"),
+    ],
     "w8": [
         ("flashinfer-w8", "latentspeed-w8"),
     ],
 }
+
+
+ENGINE_ENV = {"latentspeed-w8-fused": {"LATENTSPEED_FUSE_NORM_QUANT": "1", "LATENTSPEED_FUSE_SILU_QUANT": "1"}}
 
 
 def is_floor(engine: str) -> bool:
@@ -139,7 +147,7 @@ def main():
     if args.cmd == "worker":
         worker(args)
     else:
-        driver(args, tuple(ENGINES), PAIRS, __file__, is_floor)
+        driver(args, tuple(ENGINES), PAIRS, __file__, is_floor, ENGINE_ENV)
 
 
 if __name__ == "__main__":

@@ -199,13 +199,13 @@ def worker(args):
     Path(task["workdir"], f"{task['engine']}{task.get('suffix', '')}.json").write_text(json.dumps(result))
 
 
-def run_engine(script: str, workdir: Path, model: str, engine: str, **task):
+def run_engine(script: str, workdir: Path, model: str, engine: str, engine_env: dict = ENGINE_ENV, **task):
     """Run ``script worker`` for one engine in its own process; return what it wrote."""
     task_path = workdir / f"task-{engine}{task.get('suffix', '')}.json"
     task_path.write_text(json.dumps({"model": model, "engine": engine, "workdir": str(workdir), **task}))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, script, "worker", "--task", str(task_path)], cwd=REPO, check=False,
-                          env=dict(os.environ, **ENGINE_ENV.get(engine, {})))
+                          env=dict(os.environ, **engine_env.get(engine, {})))
     print(f"[e2e] {engine} {task} finished rc={proc.returncode} in {time.perf_counter() - t0:.0f}s", flush=True)
     if proc.returncode:
         raise SystemExit(f"engine {engine} failed (rc={proc.returncode})")
@@ -217,7 +217,8 @@ def summarize(decode_lps, score_lps):
     return {"mean": float(diffs.mean()), "p99": float(np.quantile(diffs, 0.99)), "max": float(diffs.max()), "n": int(diffs.size)}
 
 
-def driver(args, engine_names=tuple(ENGINES), pair_groups=PAIRS, script=__file__, is_floor=lambda name: "TRITON_MLA" in name):
+def driver(args, engine_names=tuple(ENGINES), pair_groups=PAIRS, script=__file__, is_floor=lambda name: "TRITON_MLA" in name,
+           engine_env=ENGINE_ENV):
     """Decode with every engine of ``args.group``, score each partner's decodes, compare.
 
     ``is_floor`` names the built-in whose pairs measure the floor between two correct built-ins.
@@ -237,13 +238,14 @@ def driver(args, engine_names=tuple(ENGINES), pair_groups=PAIRS, script=__file__
             continue
         partners = [a if b == engine else b for a, b in pairs if engine in (a, b)]
         ready = [p for p in partners if p in runs]
-        runs[engine] = run_engine(script, workdir, model, engine, generate=True, score=ready,
+        runs[engine] = run_engine(script, workdir, model, engine, engine_env, generate=True, score=ready,
                                   throughput=args.throughput and not is_floor(engine))
     for engine in engines:  # scores that were not ready on the first pass
         partners = [a if b == engine else b for a, b in pairs if engine in (a, b)]
         missing = [p for p in partners if p not in runs[engine]["scores"]]
         if missing:
-            runs[engine]["scores"].update(run_engine(script, workdir, model, engine, score=missing, suffix="-score")["scores"])
+            runs[engine]["scores"].update(run_engine(script, workdir, model, engine, engine_env, score=missing,
+                                                     suffix="-score")["scores"])
     report = {"group": args.group, "widths": args.widths, "pairs": [], "engines": {}}
     failed = []
     floor = None

@@ -10,6 +10,7 @@ weight loader (its CUDA path dequantizes ``kv_b_proj``) and ``_is_cpu`` of the r
 (the CUDA one needs a GPU). SGLang's CPU rotary factory takes scaled rope only, so the checkpoints
 carry DeepSeek-V3's own yarn ``rope_scaling``."""
 
+import contextlib
 import tempfile
 
 import pytest
@@ -51,8 +52,10 @@ CHECKPOINT_CONFIG = dict(CONFIG, rope_scaling=YARN)
 SCALE_NAMES = {"deepseek_fp8": "weight_scale_inv", "compressed_tensors": "weight_scale", "bf16": "weight_scale_inv"}
 
 
-def load(path):
-    """SGLang's model load as its model runner does it, with a tensor-parallel group of one (gloo)."""
+@contextlib.contextmanager
+def loaded(path):
+    """SGLang's model load as its model runner does it, with a tensor-parallel group of one (gloo)
+    that lives until the block ends (the model's parallel layers need it to run)."""
     args = ServerArgs(model_path=str(path), skip_tokenizer_init=True, device="cpu", dtype="bfloat16",
                       quantization=NAME)
     runtime_context.publish(args, role="test")
@@ -62,9 +65,14 @@ def load(path):
     try:
         initialize_model_parallel(tensor_model_parallel_size=1)
         initialize_dp_attention(server_args=args, model_config=model_config)
-        return get_model(model_config=model_config, load_config=LoadConfig(), device_config=DeviceConfig("cpu"))
+        yield get_model(model_config=model_config, load_config=LoadConfig(), device_config=DeviceConfig("cpu"))
     finally:
         cleanup_dist_env_and_memory()
+
+
+def load(path):
+    with loaded(path) as model:
+        return model
 
 
 @pytest.fixture
