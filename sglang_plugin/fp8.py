@@ -56,11 +56,14 @@ def _refuse_mismatched_expert_dtypes(layer, scale_name: str) -> None:
 
 
 def block_linear(input, weight, block_size, weight_scale, input_scale=None, bias=None):
-    """SGLang's ``w8a8_block_fp8_linear`` signature over latentspeed's GEMM. ``input_scale`` given:
-    ``input`` is already fp8 with 1 x 128 group scales (a fused producer, ``sglang_plugin.fusion``),
-    and the output is bf16."""
+    """SGLang's ``w8a8_block_fp8_linear`` signature over latentspeed's GEMM. A fused producer's
+    output (``sglang_plugin.fusion``) arrives already fp8 with its 1 x 128 group scales, as
+    ``input_scale`` (``Fp8LinearMethod``) or as an ``(fp8, scale)`` ``input`` (the compressed-tensors
+    scheme passes the input as it came); the output is then bf16."""
     if list(block_size) != BLOCK:
         raise ValueError(f"{NAME}: needs 128 x 128 weight blocks, got {list(block_size)}")
+    if isinstance(input, tuple):
+        input, input_scale = input
     if input_scale is not None:
         out = block_scaled_gemm(input, input_scale, weight, weight_scale.float(), out_dtype=torch.bfloat16)
         return out + bias if bias is not None else out

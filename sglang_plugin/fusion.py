@@ -74,10 +74,12 @@ class FusedSiluMulQuant(SiluAndMul):
 
 
 def _ours(linear) -> bool:
-    """Whether ``linear`` runs ``latentspeed_fp8``'s GEMM, which takes a ``(fp8, scale)`` input."""
+    """Whether ``linear`` runs ``latentspeed_fp8``'s GEMM (its linear method, or its compressed-tensors
+    scheme), which takes a ``(fp8, scale)`` input."""
     from .fp8 import block_linear
 
-    return getattr(getattr(linear, "quant_method", None), "w8a8_block_fp8_linear", None) is block_linear
+    method = getattr(linear, "scheme", None) or getattr(linear, "quant_method", None)
+    return getattr(method, "w8a8_block_fp8_linear", None) is block_linear
 
 
 def _plain_norm(norm) -> bool:

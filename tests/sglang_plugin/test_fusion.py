@@ -39,9 +39,11 @@ def rel_rms(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.fixture
-def model(gpu_host, tmp_path):  # noqa: F811
-    write_checkpoint(tmp_path, "deepseek_fp8", config=CHECKPOINT_CONFIG)
+@pytest.fixture(params=["deepseek_fp8", "compressed_tensors"])
+def model(request, gpu_host, tmp_path):  # noqa: F811
+    """The tiny DeepSeek-V3 in DeepSeek's own FP8 format (``Fp8LinearMethod``) or as llm-compressor
+    writes it (the compressed-tensors scheme): both hand a tuple input to latentspeed's GEMM."""
+    write_checkpoint(tmp_path, request.param, config=CHECKPOINT_CONFIG)
     with loaded(tmp_path) as model:
         yield model
 
@@ -80,7 +82,9 @@ def test_fused_norms_feed_their_linear_layers(model):
 
     latent = attn.prepare_qkv_latent((q, scales), None)
     proj = attn.fused_qkv_a_proj_with_mqa
-    assert torch.equal(latent, block_scaled_gemm(q, scales, proj.weight, proj.weight_scale_inv.float()))
+    weight_scale = getattr(proj, "weight_scale_inv", None)
+    weight_scale = proj.weight_scale if weight_scale is None else weight_scale
+    assert torch.equal(latent, block_scaled_gemm(q, scales, proj.weight, weight_scale.float()))
     assert rel_rms(latent, unfused_latent) < 0.03
 
     fused_q = attn.q_b_proj_forward(attn.q_a_layernorm(q_lora))
@@ -110,12 +114,6 @@ def test_batches_the_kernels_do_not_take_run_unfused(model):
     assert isinstance(norm(empty), torch.Tensor)
     wide = torch.randn(2, 3, CONFIG["hidden_size"], dtype=torch.bfloat16)
     assert norm(wide).shape == wide.shape
-
-
-def test_compressed_tensors_layers_are_left_alone(gpu_host, tmp_path):  # noqa: F811
-    """Their scheme does not take a pre-quantized input: nothing is fused."""
-    write_checkpoint(tmp_path, "compressed_tensors", config=CHECKPOINT_CONFIG)
-    assert fuse_producers(load(tmp_path), norm=True, silu_mul=True) == 0
 
 
 def runner(model, **server_args):
