@@ -14,9 +14,10 @@ def device() -> str:
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float, name: str = "",
-                 outliers: float = 0.0) -> None:
+                 outliers: float = 0.0, outlier_tol: float = 0.0) -> None:
     """Elementwise ``|a - e| <= atol + rtol * |e|`` with equal NaN/Inf placement; with ``outliers``,
-    that fraction of the elements (rounded down) may exceed the tolerance, NaN/Inf placement never.
+    that fraction of the elements (rounded down) may exceed the tolerance, but none beyond
+    ``outlier_tol`` (absolute and relative, required then), and NaN/Inf placement never.
 
     On failure the message gives the max abs error and where, the relative RMS error and where
     non-finite values disagree, so a failure says what went wrong without a debugger.
@@ -31,6 +32,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, r
     diff = (actual - expected).abs().where(finite, actual.new_zeros(()))
     limit = atol + rtol * expected.abs().where(finite, actual.new_zeros(()))
     over = diff > limit
+    if outliers:
+        assert outlier_tol > 0, "outliers need an outlier_tol that bounds them"
+        far = diff > outlier_tol * (1 + expected.abs().where(finite, actual.new_zeros(())))
+        assert not far.any(), (f"{name}: {int(far.sum())} elements beyond the outliers' bound {outlier_tol}; "
+                               f"max abs err {diff.max().item():.3e}")
     if bad_place.any() or int(over.sum()) > int(outliers * over.numel()):
         idx = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)) if diff.numel() else ()
         ref_rms = expected.where(finite, actual.new_zeros(())).pow(2).mean().sqrt()

@@ -1,10 +1,11 @@
 """Block-FP8 fused MoE against its reference: ragged token counts, experts that receive no token,
 a shared expert, and the expert-sorting step on its own. Tolerances: outputs within 2e-2 (abs and
-rel), except for one in a thousand (none at 1 token) -- the kernel and the reference round the same
-bf16 intermediate, but fp32 sums in another order can move it by one bf16 ulp before it is
-quantized again, and where that crosses an fp8 rounding boundary (or moves a group's maximum, so
-its scale) the down GEMM sees a value one fp8 step away. On the H200, 1 run in 6 had 2 of 10240
-outputs 2.5e-2 off; a wrong tile, row or expert moves hundreds."""
+rel), except for one in a thousand (none at 1 token), which must stay within 0.1 -- the kernel and
+the reference round the same bf16 intermediate, but fp32 sums in another order can move it by one
+bf16 ulp before it is quantized again, and where that crosses an fp8 rounding boundary (or moves a
+group's maximum, so its scale) the down GEMM sees a value one fp8 step away: at most an eighth of
+an intermediate value (here below 1) times a down weight (std 0.05) and a routing weight. On the
+H200, 1 run in 6 had 2 of 10240 outputs 2.5e-2 off; a wrong tile, row or expert moves hundreds."""
 
 import pytest
 import torch
@@ -106,7 +107,7 @@ def test_fused_moe_matches_reference(tokens, launch):
     out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=LAUNCHES[launch])
     expected = fused_moe_fp8_ref(x, w13, s13, w2, s2, weights, ids)
     assert out.shape == (tokens, hidden) and out.dtype == torch.bfloat16
-    assert_close(out, expected, atol=2e-2, rtol=2e-2, name="moe out", outliers=1e-3)
+    assert_close(out, expected, atol=2e-2, rtol=2e-2, name="moe out", outliers=1e-3, outlier_tol=0.1)
 
 
 def moe_inputs(tokens, routed=4, hidden=256, inter=192, top_k=2):
@@ -151,7 +152,7 @@ def test_expert_parallel_rank_computes_its_own_experts_only(launch):
     out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, stats=stats, expert_map=expert_map,
                         config=LAUNCHES[launch])
     expected = fused_moe_fp8_ref(x, w13, s13, w2, s2, weights, ids, expert_map=expert_map)
-    assert_close(out, expected, atol=2e-2, rtol=2e-2, name="ep out", outliers=1e-3)
+    assert_close(out, expected, atol=2e-2, rtol=2e-2, name="ep out", outliers=1e-3, outlier_tol=0.1)
     assert torch.equal(out[0], torch.zeros(hidden, dtype=out.dtype)) and stats.tolist() == [0, 0]
     with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 6\)"):
         fused_moe_fp8(x, w13, s13, w2, s2, weights, ids + 6, expert_map=expert_map)
