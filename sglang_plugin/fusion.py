@@ -22,25 +22,24 @@ has been measured on a GPU; vLLM's default is 1).
 """
 
 import logging
-import os
 
 import torch
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.layernorm import RMSNorm
 
-from common_kernels.fp8 import SCALE_BLOCK, rms_norm_group_quant, silu_mul_group_quant
+from common_kernels.fp8 import (
+    FUSE_NORM_ENV,
+    FUSE_SILU_ENV,
+    SCALE_BLOCK,
+    fusion_switch,
+    rms_norm_group_quant,
+    silu_mul_group_quant,
+)
 from common_kernels.guard import fp8_guard
 
 LOAD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
-NORM_ENV, SILU_ENV = "LATENTSPEED_FUSE_NORM_QUANT", "LATENTSPEED_FUSE_SILU_QUANT"
+NORM_ENV, SILU_ENV = FUSE_NORM_ENV, FUSE_SILU_ENV
 logger = logging.getLogger(__name__)
-
-
-def _switch(name: str) -> bool:
-    setting = os.environ.get(name, "0")
-    if setting not in ("0", "1"):
-        raise ValueError(f"{name}={setting!r}: use 1 (fuse) or 0 (do not); in SGLang the default is 0")
-    return setting == "1"
 
 
 def _fusable(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
@@ -128,7 +127,7 @@ def fuse_producers(model: torch.nn.Module, norm: bool, silu_mul: bool) -> int:
 
 def after_load_model(result, runner, *args, **kwargs) -> None:
     """``ModelRunner.load_model`` hook: fuse the producers the switches ask for, where allowed."""
-    norm, silu_mul = _switch(NORM_ENV), _switch(SILU_ENV)
+    norm, silu_mul = fusion_switch(NORM_ENV, "0"), fusion_switch(SILU_ENV, "0")  # off in SGLang until measured
     if not (norm or silu_mul):
         return
     reason = _why_not(runner)

@@ -31,7 +31,6 @@ put a pass there; it runs under ``-O`` levels that compile (``CompilationMode.VL
 """
 
 import logging
-import os
 
 import torch
 import torch._inductor.pattern_matcher as pm
@@ -45,13 +44,21 @@ from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import direct_register_custom_op
 
-from common_kernels.fp8 import SCALE_BLOCK, block_scaled_gemm, rms_norm_group_quant, silu_mul_group_quant
+from common_kernels.fp8 import (
+    FUSE_NORM_ENV,
+    FUSE_SILU_ENV,
+    SCALE_BLOCK,
+    block_scaled_gemm,
+    fusion_switch,
+    rms_norm_group_quant,
+    silu_mul_group_quant,
+)
 from common_kernels.fp8.norm_quant import MAX_COLS
 from common_kernels.guard import fp8_guard
 
 logger = logging.getLogger("latentspeed")
 
-NORM_ENV, SILU_ENV = "LATENTSPEED_FUSE_NORM_QUANT", "LATENTSPEED_FUSE_SILU_QUANT"
+NORM_ENV, SILU_ENV = FUSE_NORM_ENV, FUSE_SILU_ENV
 EPSILONS = (1e-5, 1e-6)  # as vLLM's own norm fusion: the epsilon is a constant of each pattern
 
 
@@ -218,19 +225,12 @@ class QuantFusionPass(VllmPatternMatcherPass):
                                "norm": self.norm, "silu_mul": self.silu_mul})
 
 
-def _switch(name: str, default: str) -> bool:
-    setting = os.environ.get(name, default)
-    if setting not in ("0", "1"):
-        raise ValueError(f"{name}={setting!r}: use 1 (fuse) or 0 (do not); the default is {default}")
-    return setting == "1"
-
-
 def install(config: VllmConfig | None = None) -> bool:
     """Put ``QuantFusionPass`` in vLLM's post-grad custom pass slot of ``config`` (default: the
     config being built) when vLLM compiles the model and a producer is turned on
     (``LATENTSPEED_FUSE_NORM_QUANT``, default 1; ``LATENTSPEED_FUSE_SILU_QUANT``, default 0);
     returns whether it is there. Idempotent; leaves a pass the user put there."""
-    norm, silu_mul = _switch(NORM_ENV, "1"), _switch(SILU_ENV, "0")
+    norm, silu_mul = fusion_switch(NORM_ENV, "1"), fusion_switch(SILU_ENV, "0")
     if not (norm or silu_mul):
         return False
     config = config or get_current_vllm_config()

@@ -9,9 +9,19 @@ from .moe import append_shared_experts, fused_moe_fp8
 from .norm_quant import rms_norm_group_quant
 from .quant import quantize_per_token, quantize_per_token_group, quantize_weight_blocks
 from .silu_mul_quant import silu_mul_group_quant
-from .support import MIN_CAPABILITY, check_checkpoint_scheme, claims_checkpoint, is_supported
+from .support import (
+    FUSE_NORM_ENV,
+    FUSE_SILU_ENV,
+    MIN_CAPABILITY,
+    check_checkpoint_scheme,
+    claims_checkpoint,
+    fusion_switch,
+    is_supported,
+)
 
 __all__ = [
+    "FUSE_NORM_ENV",
+    "FUSE_SILU_ENV",
     "MIN_CAPABILITY",
     "SCALE_BLOCK",
     "append_shared_experts",
@@ -21,6 +31,7 @@ __all__ = [
     "check_block_scales",
     "claims_checkpoint",
     "fused_moe_fp8",
+    "fusion_switch",
     "is_supported",
     "quantize_linear_weight",
     "quantize_per_token",

@@ -1,11 +1,24 @@
 """Which fp8 GEMM configurations the kernels cover; engine adapters ask here."""
 
+import os
+
 import torch
 
 from ..fp8_format import FP8_DTYPES
 from .gemm import SCALE_BLOCK
 
 MIN_CAPABILITY = (8, 9)  # fp8 tensor-core dots
+# Producers fused with the activation quantization (each engine adapter has its own default)
+FUSE_NORM_ENV, FUSE_SILU_ENV = "LATENTSPEED_FUSE_NORM_QUANT", "LATENTSPEED_FUSE_SILU_QUANT"
+
+
+def fusion_switch(name: str, default: str) -> bool:
+    """Whether the environment switch ``name`` (``1`` or ``0``; unset: ``default``) turns a producer
+    fusion on; any other value raises ``ValueError`` naming it."""
+    setting = os.environ.get(name, default)
+    if setting not in ("0", "1"):
+        raise ValueError(f"{name}={setting!r}: use 1 (fuse) or 0 (do not); the default here is {default}")
+    return setting == "1"
 CLAIMED_QUANT_METHODS = ("fp8", "compressed-tensors")  # checkpoint formats the FP8 method loads
 
 
