@@ -21,7 +21,7 @@ import triton
 
 from benchmarks.fp8_gemm import SHAPES
 from benchmarks.tuned_tables import write_tuned_table
-from common_kernels.fp8 import block_scaled_gemm, quantize_per_token_group
+from common_kernels.fp8 import block_scaled_gemm, gemm_sm90, quantize_per_token_group
 from common_kernels.fp8.gemm import SCALE_BLOCK, default_config
 from common_kernels.fp8.reference import block_scaled_gemm_ref, quantize_weight_blocks_ref
 
@@ -42,7 +42,7 @@ def candidates(m: int, k: int):
         if split == 1 or k_blocks // split >= 2:
             yield dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, GROUP_M=8, num_warps=warps, num_stages=stages)
     if m >= 128 and k % 16 == 0 and torch.cuda.get_device_capability()[0] == 9:  # the Gluon kernel (gemm_sm90)
-        for (bm, bn, warps), stages in itertools.product(((128, 128, 8), (128, 64, 8), (64, 64, 4)), (4, 5, 6)):
+        for (bm, bn, warps), stages in itertools.product(gemm_sm90.TILES, (4, 5, 6)):
             yield dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, GROUP_M=8, num_warps=warps, num_stages=stages, KERNEL="sm90")
 
 

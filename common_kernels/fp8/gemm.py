@@ -184,11 +184,16 @@ def _launch(a, a_scale, b, b_scale, out, config: dict) -> None:
         _split_k_sum_kernel[(triton.cdiv(m * n, block),)](partial, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block)
 
 
+@functools.cache
+def _capability(device_index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 def _launch_sm90(a, a_scale, b, b_scale, out, config: dict) -> None:
     (m, k), n = a.shape, b.shape[0]
     if not gemm_sm90.fits(config):
         raise ValueError(f"config {config} does not fit the sm_90 GEMM kernel (gemm_sm90.fits)")
-    if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device)[0] != 9:
+    if a.device.type != "cuda" or _capability(a.device.index)[0] != 9:
         raise ValueError(f"the sm_90 GEMM kernel runs on Hopper GPUs only, not on {a.device}")
     if any(t.stride(0) % 16 or t.data_ptr() % 16 for t in (a, b)):
         raise ValueError("the sm_90 GEMM kernel copies 16-byte rows: a and b need 16-byte aligned rows "

@@ -36,6 +36,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 ROWS_PER_WARPGROUP = 64
+# (BLOCK_M, BLOCK_N, num_warps) of the configs the tuner tries and the GPU tests cover
+TILES = ((128, 128, 8), (128, 64, 8), (64, 64, 4))
 
 
 def fits(config: dict) -> bool:

@@ -13,14 +13,14 @@ tests' (``tests/common_kernels/test_fp8.py``): both sum the same fp32 partials i
 import pytest
 import torch
 
-from common_kernels.fp8 import block_scaled_gemm
+from common_kernels.fp8 import block_scaled_gemm, gemm_sm90
 from common_kernels.fp8.reference import block_scaled_gemm_ref, quantize_per_token_group_ref, quantize_weight_blocks_ref
 from tests.helpers import assert_close
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                                 reason="needs an sm_90 GPU")
 SM90_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, GROUP_M=8, num_warps=warps, num_stages=stages, KERNEL="sm90")
-                for bm, bn, warps in ((128, 128, 8), (128, 64, 8), (64, 64, 4)) for stages in (3, 4, 6)]
+                for bm, bn, warps in gemm_sm90.TILES for stages in (3, 4, 6)]
 
 
 @pytest.mark.parametrize("config", SM90_CONFIGS, ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}-s{c['num_stages']}")
