@@ -172,6 +172,10 @@ class LatentspeedOnlineFp8LinearMethod(Fp8PerBlockOnlineLinearMethod):
         replace_parameter(layer, "weight", weight)
         replace_parameter(layer, "weight_scale_inv", scale)
         self.fp8_linear.process_weights_after_loading(layer)
+        # DeepSeek-V3's fused_qkv_a_proj chose vLLM's bf16-only small-batch GEMM when it was built
+        # (its weight was bf16 then): that GEMM would now be handed our fp8 weight.
+        if getattr(layer, "_use_min_latency_gemm", False):
+            layer._use_min_latency_gemm = False
         layer._already_called_process_weights_after_loading = True
 
 

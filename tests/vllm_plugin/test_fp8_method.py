@@ -12,6 +12,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.quantization.utils.quant_utils import get_and_maybe_dequant_weights
 
+import vllm_plugin.fp8
 from common_kernels.fp8.reference import block_scaled_gemm_ref, quantize_per_token_group_ref, quantize_weight_blocks_ref
 from common_kernels.guard import fp8_guard
 from tests.helpers import assert_close
@@ -220,3 +221,27 @@ def test_bf16_checkpoint_with_nonfinite_weights_is_refused(tp_group):
     weight[5, 7] = float("nan")
     with pytest.raises(ValueError, match=f"{NAME}: model.layers.0.mlp.up_proj: the checkpoint holds 1 non-finite"):
         layer.weight.weight_loader(layer.weight, weight)
+
+
+def test_deepseek_v3_fused_qkv_a_proj_leaves_vllms_bf16_gemm_once_quantized(tp_group, monkeypatch):
+    """At DeepSeek-V3's widths on Hopper, vLLM builds ``fused_qkv_a_proj`` to call its bf16-only
+    small-batch GEMM (decided while the weight is still bf16); quantized at load, the layer must
+    run on latentspeed's GEMM instead (on the H200 the engine otherwise stopped with "expected
+    mat1 and mat2 to have the same dtype")."""
+    from vllm import platforms
+    from vllm.model_executor.models import deepseek_v2
+
+    monkeypatch.setattr(deepseek_v2, "current_platform", platforms._current_platform)  # the fake H200
+    # the reference quantizer: the interpreter takes about a second a 128 x 128 block (16 min here)
+    monkeypatch.setattr(vllm_plugin.fp8, "quantize_linear_weight", lambda name, w: quantize_weight_blocks_ref(w))
+    layer = deepseek_v2.DeepSeekV2FusedQkvAProjLinear(7168, [1536, 576], quant_config=LatentspeedFp8Config(),
+                                                       prefix="model.layers.0.self_attn.fused_qkv_a_proj")
+    assert layer._use_min_latency_gemm  # vLLM's choice at construction, with a bf16 weight
+    weights = [torch.randn(n, 7168, dtype=torch.bfloat16) * 0.02 for n in (1536, 576)]
+    for shard_id, w in enumerate(weights):
+        layer.weight.weight_loader(layer.weight, w, shard_id)
+    assert layer.weight.dtype == torch.float8_e4m3fn and not layer._use_min_latency_gemm
+    x = torch.randn(2, 7168, dtype=torch.bfloat16)
+    out = layer(x)
+    out = out[0] if isinstance(out, tuple) else out
+    assert_close(out, reference(x, layer.weight, layer.weight_scale_inv), atol=2e-2, rtol=1e-2, name="fused_qkv_a")
