@@ -6,8 +6,12 @@ It cannot run in the interpreter; ``benchmarks/hopper_compile.py`` compiles it o
 
 Shapes: ragged M and N (a partial last weight block), K of one, two, three and five blocks (the
 kernel takes K blocks in pairs: both parities), a partial last K block, and DeepSeek-V3's
-``fused_qkv_a_proj`` at prefill size. Outputs start as NaN; the tolerance is the Triton GEMM
-tests' (``tests/common_kernels/test_fp8.py``): both sum the same fp32 partials in the same order.
+``fused_qkv_a_proj`` at prefill size. Outputs start as NaN. The tolerance is the Triton GEMM's
+at DeepSeek-V3's shapes on the GPU (``tests/gpu/test_fp8_full_size.py``): on Hopper both kernels
+sum a K block's 128 products inside the wgmma, whose fp8 accumulator keeps fewer bits than fp32
+(the DeepSeek-V3 report: about 14), so near-zero outputs may be off by about 1e-3 of the largest
+output (on the H200, 2026-12-02: 0.04 % of the outputs beyond 1e-3 absolute at K = 7168, relative
+RMS error 1.7e-3, as bf16 rounding alone gives).
 """
 
 import pytest
@@ -34,9 +38,12 @@ def test_matches_reference_and_triton(config, m, n, k):
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     block_scaled_gemm(a, a_scale, b, b_scale, out=out, config=config)
     ref = block_scaled_gemm_ref(a, a_scale, b, b_scale, torch.float32)
-    assert_close(out, ref, atol=1e-3, rtol=1e-2, name="sm90 gemm")
+    atol = 2e-3 * ref.abs().max().item()
+    assert_close(out, ref, atol=atol, rtol=1e-2, name="sm90 gemm")
+    rel_rms = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel_rms < 3e-3, f"relative RMS error {rel_rms:.2e}: more than bf16 rounding (1.7e-3)"
     triton_out = block_scaled_gemm(a, a_scale, b, b_scale)  # the tuned table's Triton config
-    assert_close(out, triton_out, atol=1e-3, rtol=1e-2, name="sm90 gemm vs triton")
+    assert_close(out, triton_out, atol=atol, rtol=1e-2, name="sm90 gemm vs triton")
 
 
 def test_refuses_rows_it_cannot_copy():
