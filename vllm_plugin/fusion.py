@@ -2,8 +2,8 @@
 quantization, as one pass of vLLM's compiler:
 
 - RMSNorm (on by default; ``LATENTSPEED_FUSE_NORM_QUANT=0`` turns it off);
-- SiLU-and-mul before a ``down_proj`` (off by default until measured on the GPU;
-  ``LATENTSPEED_FUSE_SILU_QUANT=1`` turns it on).
+- SiLU-and-mul before a ``down_proj`` (on by default; ``LATENTSPEED_FUSE_SILU_QUANT=0`` turns it
+  off).
 
 ``latentspeed.block_fp8_linear`` quantizes its input itself, inside one opaque op, so neither
 Inductor nor vLLM's own ``RMSNormQuantFusionPass`` and ``ActivationQuantFusionPass`` (which match
@@ -228,9 +228,9 @@ class QuantFusionPass(VllmPatternMatcherPass):
 def install(config: VllmConfig | None = None) -> bool:
     """Put ``QuantFusionPass`` in vLLM's post-grad custom pass slot of ``config`` (default: the
     config being built) when vLLM compiles the model and a producer is turned on
-    (``LATENTSPEED_FUSE_NORM_QUANT``, default 1; ``LATENTSPEED_FUSE_SILU_QUANT``, default 0);
+    (``LATENTSPEED_FUSE_NORM_QUANT`` and ``LATENTSPEED_FUSE_SILU_QUANT``, both default 1);
     returns whether it is there. Idempotent; leaves a pass the user put there."""
-    norm, silu_mul = fusion_switch(NORM_ENV, "1"), fusion_switch(SILU_ENV, "0")
+    norm, silu_mul = fusion_switch(NORM_ENV, "1"), fusion_switch(SILU_ENV, "1")
     if not (norm or silu_mul):
         return False
     config = config or get_current_vllm_config()

@@ -63,10 +63,10 @@ for step in "$@"; do
     e2e-w8)  # block-FP8 weights: latentspeed_fp8 vs vLLM's fp8_per_block (both quantize the bf16 checkpoint)
       python3 tests/gpu/vllm_e2e.py --group w8 --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-w8.json" 2>&1 \
         | tee "$out/e2e-w8.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
-    e2e-w8-fused)  # latentspeed_fp8 (RMSNorm fused, the default) against LATENTSPEED_FUSE_NORM_QUANT=0 (agreement, throughput, matches)
+    e2e-w8-fused)  # latentspeed_fp8 (RMSNorm and SiLU-and-mul fused, the default) against no fusion (agreement, throughput, matches)
       python3 tests/gpu/vllm_e2e.py --group w8-fused --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-w8-fused.json" \
         2>&1 | tee "$out/e2e-w8-fused.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
-    e2e-w8-silu)  # latentspeed_fp8 with LATENTSPEED_FUSE_SILU_QUANT=1 against the default (agreement, throughput, matches)
+    e2e-w8-silu)  # latentspeed_fp8 (the default) against LATENTSPEED_FUSE_SILU_QUANT=0 (agreement, throughput, matches)
       python3 tests/gpu/vllm_e2e.py --group w8-silu --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-w8-silu.json" \
         2>&1 | tee "$out/e2e-w8-silu.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
     e2e-wide)  # the w8-fused and w8-silu groups on DeepSeek-V3's widths (examples/tiny_deepseek_v3.py --widths deepseek-v3)

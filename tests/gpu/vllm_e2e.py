@@ -48,15 +48,15 @@ ENGINES = {
     # method (its kernels) against latentspeed_fp8 (ours), each with its engine's attention.
     "FLASHMLA-w8": ("FLASHMLA", None, "auto", "fp8_per_block"),
     "latentspeed-w8": ("CUSTOM", "CUSTOM", "auto", "latentspeed_fp8"),
-    # The same without the RMSNorm fused into its linear layer's quantization (vllm_plugin/fusion.py).
+    # The same without any producer fused into its linear layer's quantization (vllm_plugin/fusion.py).
     "latentspeed-w8-unfused": ("CUSTOM", "CUSTOM", "auto", "latentspeed_fp8"),
-    # The same with SiLU-and-mul also fused into down_proj's quantization (LATENTSPEED_FUSE_SILU_QUANT=1).
-    "latentspeed-w8-silu": ("CUSTOM", "CUSTOM", "auto", "latentspeed_fp8"),
+    # The same with the RMSNorms fused but not SiLU-and-mul (LATENTSPEED_FUSE_SILU_QUANT=0).
+    "latentspeed-w8-nosilu": ("CUSTOM", "CUSTOM", "auto", "latentspeed_fp8"),
 }
 # Environment of an engine's process beyond the driver's: the fusion switches.
 ENGINE_ENV = {
-    "latentspeed-w8-unfused": {"LATENTSPEED_FUSE_NORM_QUANT": "0"},
-    "latentspeed-w8-silu": {"LATENTSPEED_FUSE_SILU_QUANT": "1"},
+    "latentspeed-w8-unfused": {"LATENTSPEED_FUSE_NORM_QUANT": "0", "LATENTSPEED_FUSE_SILU_QUANT": "0"},
+    "latentspeed-w8-nosilu": {"LATENTSPEED_FUSE_SILU_QUANT": "0"},
 }
 # (engine that decodes, engine that scores) pairs per group; the first is the floor.
 PAIRS = {
@@ -75,7 +75,7 @@ PAIRS = {
         ("latentspeed-w8-unfused", "latentspeed-w8"),
     ],
     "w8-silu": [
-        ("latentspeed-w8", "latentspeed-w8-silu"),
+        ("latentspeed-w8-nosilu", "latentspeed-w8"),
     ],
 }
 # Floor measured between TRITON_MLA and FLASHMLA (issue #2): mean 0.010, p99 0.21, max 0.53.

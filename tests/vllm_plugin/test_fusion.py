@@ -114,23 +114,23 @@ def test_install_takes_the_post_grad_slot_unless_turned_off(monkeypatch):
     config = compiling_config()
     key = "post_grad_custom_post_pass"
     monkeypatch.setenv(fusion.NORM_ENV, "0")
+    monkeypatch.setenv(fusion.SILU_ENV, "0")
     assert not fusion.install(config) and key not in config.compilation_config.inductor_compile_config
     monkeypatch.setenv(fusion.NORM_ENV, "yes")
     with pytest.raises(ValueError, match="LATENTSPEED_FUSE_NORM_QUANT='yes'"):
         fusion.install(config)
-    monkeypatch.delenv(fusion.NORM_ENV)  # the default: norms fused, SiLU-and-mul not
+    monkeypatch.delenv(fusion.NORM_ENV)
+    monkeypatch.delenv(fusion.SILU_ENV)  # the default: both fused
     assert fusion.install(config) and fusion.install(config)
     installed = config.compilation_config.inductor_compile_config[key]
-    assert isinstance(installed, fusion.QuantFusionPass) and (installed.norm, installed.silu_mul) == (True, False)
+    assert isinstance(installed, fusion.QuantFusionPass) and (installed.norm, installed.silu_mul) == (True, True)
     monkeypatch.setenv(fusion.NORM_ENV, "0")
-    monkeypatch.setenv(fusion.SILU_ENV, "1")
     silu_only = compiling_config()
     assert fusion.install(silu_only)
     installed_silu = silu_only.compilation_config.inductor_compile_config[key]
     assert (installed_silu.norm, installed_silu.silu_mul) == (False, True)
     assert installed_silu.uuid() != installed.uuid(), "vLLM's compile cache must tell the two apart"
     monkeypatch.delenv(fusion.NORM_ENV)
-    monkeypatch.delenv(fusion.SILU_ENV)
     eager = compiling_config(CompilationMode.NONE)
     assert not fusion.install(eager)
     taken = compiling_config()  # a pass of the user's own stays
