@@ -52,6 +52,7 @@ def _block_scaled_gemm_kernel(
     b_rows = b_ptr + offs_n.to(tl.int64)[:, None] * stride_bn
     a_scales = a_scale_ptr + offs_m.to(tl.int64) * stride_asm  # [BLOCK_M]
     b_scales = b_scale_ptr + (offs_n // BLOCK_K).to(tl.int64) * stride_bsn  # [BLOCK_N]
+    b_scale_tile = b_scale_ptr + pid_n.to(tl.int64) * stride_bsn  # when BLOCK_N == BLOCK_K
     k_blocks = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_blocks, splits)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -60,8 +61,11 @@ def _block_scaled_gemm_kernel(
         a = tl.load(a_rows + kb * BLOCK_K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_rows + kb * BLOCK_K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         a_s = tl.load(a_scales + kb, mask=mask_m, other=0.0)
-        b_s = tl.load(b_scales + kb, mask=mask_n, other=0.0)
-        acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]  # [BLOCK_M, BLOCK_N]
+        if BLOCK_N == BLOCK_K:  # the tile is one weight block wide: one weight scale, one multiply an output
+            acc += tl.dot(a, tl.trans(b)) * (a_s * tl.load(b_scale_tile + kb))[:, None]
+        else:
+            b_s = tl.load(b_scales + kb, mask=mask_n, other=0.0)
+            acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]  # [BLOCK_M, BLOCK_N]
     c = c_ptr + split.to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
