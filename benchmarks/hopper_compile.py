@@ -51,8 +51,9 @@ class HopperReport:
 
 
 def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int, num_stages: int,
-                       floats: tuple = (), unaligned: tuple = ()) -> HopperReport:
-    """Compile ``kernel`` (a ``@triton.jit`` or ``@gluon.jit`` function) for sm_90a.
+                       floats: tuple = (), unaligned: tuple = (), maxnreg: int | None = None) -> HopperReport:
+    """Compile ``kernel`` (a ``@triton.jit`` or ``@gluon.jit`` function) for sm_90a, with at most
+    ``maxnreg`` registers a thread if given.
 
     ``pointers`` maps pointer arguments to their element dtype, ``floats`` names fp32 scalars; every
     other argument is an i32, 16-byte divisible unless named in ``unaligned``.
@@ -73,7 +74,8 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int,
              if signature[name] not in ("constexpr", "fp32") and name not in unaligned}
     source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
     compiled = triton.compile(source(kernel, signature, constexprs=constexprs, attrs=attrs), target=HOPPER,
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
+                              options=dict(num_warps=num_warps, num_stages=num_stages,
+                                           **({"maxnreg": maxnreg} if maxnreg else {})))
     ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
         source.write(ptx)
@@ -119,15 +121,15 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
                               unaligned=("uniform_q_len", "stride_out_s", "stride_lse_t", "stride_lse_h"))
 
 
-def gemm_report(block_m: int, block_n: int, num_warps: int, num_stages: int) -> HopperReport:
-    """The block-scaled fp8 GEMM kernel at one launch config."""
+def gemm_report(block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None = None) -> HopperReport:
+    """The block-scaled fp8 GEMM kernel at one launch config (``maxnreg``: the config's register cap)."""
     from common_kernels.fp8 import gemm
 
     pointers = dict(a_ptr=torch.float8_e4m3fn, b_ptr=torch.float8_e4m3fn, c_ptr=torch.bfloat16,
                     a_scale_ptr=torch.float32, b_scale_ptr=torch.float32)
     constexprs = dict(BLOCK_K=gemm.SCALE_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8)
     return compile_for_hopper(gemm._block_scaled_gemm_kernel, pointers, constexprs, num_warps, num_stages,
-                              unaligned=("M", "splits", "stride_asm", "stride_bsn"))
+                              unaligned=("M", "splits", "stride_asm", "stride_bsn"), maxnreg=maxnreg)
 
 
 def every_kernel_report() -> dict[str, HopperReport]:
@@ -230,6 +232,7 @@ def main(argv=None):
     gemm.add_argument("--block", type=int, nargs=2, default=[64, 128], metavar=("M", "N"))
     gemm.add_argument("--warps", type=int, default=4)
     gemm.add_argument("--stages", type=int, default=4)
+    gemm.add_argument("--maxnreg", type=int, help="the config's register cap a thread (more programs an SM)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("TRITON_INTERPRET=1 replaces compiled kernels by the interpreter: unset it")
@@ -249,7 +252,8 @@ def main(argv=None):
         reports = every_kernel_report()
     else:
         label = f"gemm {args.block[0]}x{args.block[1]}, {args.warps} warps, {args.stages} stages"
-        reports[label] = gemm_report(*args.block, args.warps, args.stages)
+        label += f", maxnreg {args.maxnreg}" if args.maxnreg else ""
+        reports[label] = gemm_report(*args.block, args.warps, args.stages, args.maxnreg)
     if args.json:
         print(json.dumps([{"label": label, **dataclasses.asdict(report)} for label, report in reports.items()]))
     else:

@@ -40,7 +40,10 @@ def candidates(m: int, k: int):
         space = itertools.product((64, 128), (128, 256), (3, 4), (4, 8), (1,))
     for bm, bn, stages, warps, split in space:
         if split == 1 or k_blocks // split >= 2:
-            yield dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, GROUP_M=8, num_warps=warps, num_stages=stages)
+            config = dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, GROUP_M=8, num_warps=warps, num_stages=stages)
+            yield config
+            if m > 256 and (bm, bn, warps, stages) == (64, 128, 4, 3):  # 177 registers: two programs an SM;
+                yield dict(config, maxnreg=168)  # capped, three (8 bytes of spills; 72 KiB of shared memory each)
     if m >= 128 and k % 16 == 0 and torch.cuda.get_device_capability()[0] == 9:  # the Gluon kernel (gemm_sm90)
         for (bm, bn, warps), stages in itertools.product(gemm_sm90.TILES, (4, 5, 6)):
             yield dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, GROUP_M=8, num_warps=warps, num_stages=stages, KERNEL="sm90")

@@ -182,6 +182,7 @@ def _launch(a, a_scale, b, b_scale, out, config: dict) -> None:
         out.stride(0) if split == 1 else n, partial.stride(0) if split > 1 else 0, a_scale.stride(0), b_scale.stride(0),
         split, BLOCK_K=SCALE_BLOCK, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], GROUP_M=config["GROUP_M"],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
+        **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}),  # a register cap: more programs an SM
     )
     if split > 1:
         block = 1024

@@ -47,6 +47,15 @@ def test_every_kernel_compiles_for_hopper():
                    for layout in reports[label]["mma_layouts"]), label
 
 
+def test_gemm_register_cap_reaches_ptxas():
+    """The tuner's ``maxnreg`` candidate (three 64 x 128 programs an SM) compiles under its cap, with
+    the wgmma still in flight."""
+    capped, = hopper_compile("gemm", "--block", "64", "128", "--stages", "3", "--maxnreg", "168").values()
+    free, = hopper_compile("gemm", "--block", "64", "128", "--stages", "3").values()
+    assert capped["registers"] <= 168 < free["registers"] and not capped["wgmma_serialized"]
+    assert capped["spill_bytes"] <= 32 and 3 * capped["shared_bytes"] <= 227 * 1024
+
+
 def test_refuses_the_interpreter():
     done = subprocess.run([sys.executable, "-m", "benchmarks.hopper_compile", "gemm"], cwd=REPO,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)

@@ -109,7 +109,7 @@ def test_block_scaled_gemm_matches_reference(m, n, k, out_dtype):
 @pytest.mark.parametrize(
     "config",
     [dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=1, GROUP_M=1), dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=3, GROUP_M=2),
-     dict(BLOCK_M=32, BLOCK_N=32, SPLIT_K=8, GROUP_M=4), dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=2, GROUP_M=1),
+     dict(BLOCK_M=32, BLOCK_N=32, SPLIT_K=8, GROUP_M=4), dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=2, GROUP_M=1, maxnreg=168),
      dict(BLOCK_M=16, BLOCK_N=256, SPLIT_K=1, GROUP_M=1)],
     ids=["one_split", "three_uneven_splits", "more_splits_than_k_blocks", "one_weight_block_wide",
          "two_weight_blocks_wide"],
