@@ -211,7 +211,8 @@ def every_kernel_report() -> dict[str, HopperReport]:
             dict(a_ptr=fp8, a_scale_ptr=f32, b_ptr=fp8, b_scale_ptr=f32, c_ptr=fp8 if quantizing else bf16,
                  c_scale_ptr=f32, stats_ptr=i32, sorted_ids_ptr=i32, block_expert_ptr=i32, weights_ptr=f32),
             dict(ROWS_PER_A=8 if gated else 1, GATED=gated, APPLY_WEIGHT=not gated, BLOCK_M=64, BLOCK_N=128,
-                 BLOCK_K=128, QUANT_OUT=quantizing, MID_DTYPE=tl.bfloat16, TRACK_STATS=quantizing, **e4m3),
+                 BLOCK_K=128, QUANT_OUT=quantizing, MID_DTYPE=tl.bfloat16, TRACK_STATS=quantizing, ONE_SCALE=True,
+                 **e4m3),
             8 if gated else 4, 4 if gated else 3, floats=("eps",),
             unaligned=("num_pairs", "stride_asm", "stride_bsn", "stride_csm"))
     return reports

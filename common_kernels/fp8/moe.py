@@ -177,13 +177,14 @@ def _moe_gemm_kernel(
     ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT_OUT: tl.constexpr, MID_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
-    MIN_EXP: tl.constexpr, TRACK_STATS: tl.constexpr,
+    MIN_EXP: tl.constexpr, TRACK_STATS: tl.constexpr, ONE_SCALE: tl.constexpr,
 ):
     """One ``BLOCK_M`` run of one expert times a ``BLOCK_N`` slice of its weights. ``GATED``: the
     weights are ``[gate; up]`` (``2N`` rows) and the output is ``silu(gate) * up`` (``N`` columns).
     ``QUANT_OUT`` (``BLOCK_N`` a multiple of ``BLOCK_K``): the output is stored as ``MID_DTYPE`` would
     hold it, quantized per row and ``BLOCK_K`` columns (``c_ptr`` fp8, ``c_scale_ptr`` fp32), as
-    ``quantize_per_token_group`` would quantize the stored intermediate."""
+    ``quantize_per_token_group`` would quantize the stored intermediate. ``ONE_SCALE``: each
+    ``BLOCK_N`` slice of weight rows (gate and up) lies in one weight block."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -205,11 +206,11 @@ def _moe_gemm_kernel(
         mask_k = kb * BLOCK_K + offs_k < K
         a = tl.load(a_rows + kb * BLOCK_K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         a_s = tl.load(a_scales + kb, mask=mask_m, other=0.0)
-        acc += _block_dot(a, a_s, b_expert, bs_expert, offs_n, mask_n, offs_k, mask_k, kb, stride_bn, stride_bsn,
-                          BLOCK_K)
+        acc += _block_dot(a, a_s, b_expert, bs_expert, pid_n * BLOCK_N, offs_n, mask_n, offs_k, mask_k, kb,
+                          stride_bn, stride_bsn, BLOCK_K, ONE_SCALE)
         if GATED:
-            acc_up += _block_dot(a, a_s, b_expert, bs_expert, offs_n + N, mask_n, offs_k, mask_k, kb, stride_bn,
-                                 stride_bsn, BLOCK_K)
+            acc_up += _block_dot(a, a_s, b_expert, bs_expert, pid_n * BLOCK_N + N, offs_n + N, mask_n, offs_k, mask_k,
+                                 kb, stride_bn, stride_bsn, BLOCK_K, ONE_SCALE)
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
     if APPLY_WEIGHT:
@@ -232,11 +233,14 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
-def _block_dot(a, a_s, b_expert, bs_expert, rows, mask_rows, offs_k, mask_k, kb, stride_bn, stride_bsn,
-               BLOCK_K: tl.constexpr):
-    """``a @ B[rows, K block kb]^T`` with the activation and weight block scales applied."""
+def _block_dot(a, a_s, b_expert, bs_expert, first_row, rows, mask_rows, offs_k, mask_k, kb, stride_bn, stride_bsn,
+               BLOCK_K: tl.constexpr, ONE_SCALE: tl.constexpr):
+    """``a @ B[rows, K block kb]^T`` with the activation and weight block scales applied; ``rows``
+    start at ``first_row``, and with ``ONE_SCALE`` lie in one weight block: one multiply an output."""
     b = tl.load(b_expert + rows.to(tl.int64)[:, None] * stride_bn + kb * BLOCK_K + offs_k[None, :],
                 mask=mask_rows[:, None] & mask_k[None, :], other=0.0)
+    if ONE_SCALE:
+        return tl.dot(a, tl.trans(b)) * (a_s * tl.load(bs_expert + (first_row // BLOCK_K) * stride_bsn + kb))[:, None]
     b_s = tl.load(bs_expert + (rows // BLOCK_K).to(tl.int64) * stride_bsn + kb, mask=mask_rows, other=0.0)
     return tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
 
@@ -262,6 +266,8 @@ def _moe_gemm(a, a_scale, b, b_scale, out, sorted_ids, block_expert, weights, ro
         BLOCK_M=sorted_ids.shape[0] // block_expert.shape[0], BLOCK_N=launch["BLOCK_N"], BLOCK_K=SCALE_BLOCK,
         QUANT_OUT=quant_out, MID_DTYPE=_TL_DTYPES[mid_dtype] if quant_out else tl.float32, FP8_MAX=fp8_max,
         MANT_BITS=mant_bits, MIN_EXP=min_exp, TRACK_STATS=quant_out and stats is not None,
+        # 128-column tiles of 128-aligned gate and up halves: one weight scale a K block (as gemm.py)
+        ONE_SCALE=launch["BLOCK_N"] == SCALE_BLOCK and n % SCALE_BLOCK == 0,
         num_warps=launch["num_warps"], num_stages=launch["num_stages"],
     )
 

@@ -90,6 +90,9 @@ LAUNCHES = {
                             "down": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1}},
     "quantizing_epilogue_two_groups": {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 256, "num_warps": 4, "num_stages": 1},
                                        "down": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1}},
+    # down tiles one weight block wide (one weight scale a K block); gate/up ones straddle blocks (I = 192)
+    "one_weight_block_tiles": {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1},
+                               "down": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1}},
 }
 
 
@@ -107,6 +110,15 @@ def test_fused_moe_matches_reference(tokens, launch):
     out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=LAUNCHES[launch])
     expected = fused_moe_fp8_ref(x, w13, s13, w2, s2, weights, ids)
     assert out.shape == (tokens, hidden) and out.dtype == torch.bfloat16
+    assert_close(out, expected, atol=2e-2, rtol=2e-2, name="moe out", outliers=1e-3, outlier_tol=0.1)
+
+
+def test_one_weight_block_tiles_with_an_aligned_intermediate():
+    """I = 256: the gate and the up tiles (rows N + ...) each lie in one weight block, as at DeepSeek-V3's sizes."""
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(9, inter=256)
+    launch = LAUNCHES["one_weight_block_tiles"]
+    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=launch)
+    expected = fused_moe_fp8_ref(x, w13, s13, w2, s2, weights, ids)
     assert_close(out, expected, atol=2e-2, rtol=2e-2, name="moe out", outliers=1e-3, outlier_tol=0.1)
 
 
