@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench bench-small tune-gemm tune-moe fp8-bench moe-bench producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide (vLLM
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench bench-small tune-gemm tune-moe fp8-bench moe-bench producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
 #                                         bundle on PYTHONPATH), fp8-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8 sglang-e2e-w8-fused
 #                                         sglang-ct-e2e sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         refmodel (train the reference model; no engine needed),
@@ -69,9 +69,15 @@ for step in "$@"; do
     e2e-w8-silu)  # latentspeed_fp8 (the default) against LATENTSPEED_FUSE_SILU_QUANT=0 (agreement, throughput, matches)
       python3 tests/gpu/vllm_e2e.py --group w8-silu --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-w8-silu.json" \
         2>&1 | tee "$out/e2e-w8-silu.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
+    e2e-wide-floor)  # the bf16 group (FLASHMLA against TRITON_MLA: the floor) at DeepSeek-V3's widths; e2e-wide then judges by it
+      python3 tests/gpu/vllm_e2e.py --group bf16 --widths deepseek-v3 --reuse --workdir /tmp/e2e-wide \
+        --out "$out/e2e-wide-bf16.json" 2>&1 | tee "$out/e2e-wide-bf16.log" | grep -E '^\[e2e\]|Error|error|Traceback' \
+        | tail -n 60
+      [ -f "$out/e2e-wide-bf16.json" ] && export E2E_WIDE_FLOOR=$(realpath "$out/e2e-wide-bf16.json") ;;
     e2e-wide)  # the w8-fused and w8-silu groups on DeepSeek-V3's widths (examples/tiny_deepseek_v3.py --widths deepseek-v3)
       for group in w8-fused w8-silu; do
         python3 tests/gpu/vllm_e2e.py --group $group --widths deepseek-v3 --throughput --reuse --workdir /tmp/e2e-wide \
+          ${E2E_WIDE_FLOOR:+--floor "$E2E_WIDE_FLOOR"} \
           --out "$out/e2e-wide-$group.json" 2>&1 | tee "$out/e2e-wide-$group.log" | grep -E '^\[e2e\]|Error|error|Traceback' \
           | tail -n 60
         [ "${PIPESTATUS[0]}" = 0 ] || { echo "e2e-wide group $group failed"; status=1; }
