@@ -92,9 +92,10 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int,
 def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 64, varlen: bool = False,
                   prefix_only: bool = False, keys_dense: bool = False) -> HopperReport:
     """The MLA decode split kernel as ``mla_decode`` launches it for this shape on sm_90: a Gluon
-    kernel (``decode_sm90``, ``decode_sm90_narrow``) where one fits, else the Triton kernel."""
+    kernel (``decode_sm90_seesaw``, ``decode_sm90``, ``decode_sm90_narrow``) where one fits, else the
+    Triton kernel."""
     from common_kernels.fp8_format import FP8_DTYPES
-    from common_kernels.mla import decode, decode_sm90
+    from common_kernels.mla import decode, decode_sm90, decode_sm90_seesaw
 
     sm90 = decode.sm90_kernel_for(64, cache_dtype, True, page, 512, 64) is not None  # sm90_kernels_apply on an H200
     plan = decode.plan_decode(128, heads, q_len, 8192, 132, cache_dtype=cache_dtype, sm90=sm90)
@@ -102,9 +103,12 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
     is_fp8 = keys_dtype in FP8_DTYPES
     kernel = decode._mla_decode_split_kernel
     block_n, num_warps, num_stages = decode._launch_config(plan.block_rows, page, is_fp8)
-    extra = {}
+    extra, maxnreg = {}, None
     module = decode.sm90_kernel_for(plan.block_rows, keys_dtype, not keys_dense, page, 512, 64) if sm90 else None
-    if module is decode_sm90:
+    if module is decode_sm90_seesaw:
+        kernel, block_n, num_warps = module.mla_decode_split_kernel_sm90_seesaw, module.BLOCK_N, module.NUM_WARPS
+        maxnreg = module.MAXNREG
+    elif module is decode_sm90:
         kernel, block_n, num_warps = decode_sm90.mla_decode_split_kernel_sm90, decode_sm90.BLOCK_N, decode_sm90.NUM_WARPS
         extra = dict(NUM_BUFS=decode_sm90.NUM_BUFS)
     elif module is not None:
@@ -118,7 +122,8 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
                       VARLEN=varlen, PREFIX_ONLY=prefix_only, KEYS_DENSE=keys_dense, **extra)
     return compile_for_hopper(kernel, pointers, constexprs, num_warps, num_stages,
                               floats=("qk_scale_log2",),
-                              unaligned=("uniform_q_len", "stride_out_s", "stride_lse_t", "stride_lse_h"))
+                              unaligned=("uniform_q_len", "stride_out_s", "stride_lse_t", "stride_lse_h"),
+                              maxnreg=maxnreg)
 
 
 def gemm_report(block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None = None) -> HopperReport:

@@ -1,12 +1,13 @@
 """A/B of the sm_90 MLA decode kernels: the working tree's against those of a git revision, in one
 process, on the same inputs and plans.
 
-The revision's ``common_kernels/mla/decode_sm90.py`` and ``decode_sm90_narrow.py`` are loaded from
-``git show`` as modules of their own (their relative imports resolved against the working tree's
-package), and ``decode.mla_decode`` is pointed at one kernel set or the other by swapping the
-module attributes it launches. Each shape: both outputs against ``mla_decode_ref`` (relative error,
-at the first context length), then CUDA-graph replay medians (``mla_decode_splits.timed``). One
-JSON row per shape: both times and ``base_us / ours_us`` (above 1: the working tree is faster).
+The revision's ``common_kernels/mla/decode_sm90.py``, ``decode_sm90_narrow.py`` and
+``decode_sm90_seesaw.py`` are loaded from ``git show`` as modules of their own (their relative
+imports resolved against the working tree's package), and ``decode.mla_decode`` is pointed at one
+kernel set or the other by swapping the module attributes it launches. Each shape: both outputs
+against ``mla_decode_ref`` (relative error, at the first context length), then CUDA-graph replay
+medians (``mla_decode_splits.timed``). One JSON row per shape: both times and ``base_us / ours_us``
+(above 1: the working tree is faster).
 
     python -m benchmarks.mla_decode_ab --base HEAD --heads 16 --q-len 1 2 --cache e4m3 --out ab.jsonl
     python -m benchmarks.mla_decode_ab --base HEAD~1 --heads 128 --out ab128.jsonl
@@ -18,7 +19,7 @@ only (the plan is made under it too), to time a launch setting without a new rev
         --ours-set decode_sm90_narrow.NUM_BUFS=3 decode_sm90_narrow.PROGRAMS_PER_SM_FP8=1 --out ab.jsonl
 
 Where the repository's history cannot be trusted (on the GPU host, ``git rev-parse HEAD`` named the
-session's first commit after later ones had been made here), ``--base`` takes a folder of the two
+session's first commit after later ones had been made here), ``--base`` takes a folder of the three
 modules instead: ``git show REV:common_kernels/mla/decode_sm90.py > DIR/...``, made here.
 """
 
@@ -35,11 +36,13 @@ from pathlib import Path
 
 import torch
 
-from common_kernels.mla import decode_sm90, decode_sm90_narrow, mla_decode, plan_decode, sm90_kernels_apply
+from common_kernels.mla import (decode_sm90, decode_sm90_narrow, decode_sm90_seesaw, mla_decode, plan_decode,
+                                sm90_kernels_apply)
 
 REPO = Path(__file__).resolve().parents[1]
 MODULES = {"decode_sm90": ("mla_decode_split_kernel_sm90", decode_sm90),
-           "decode_sm90_narrow": ("mla_decode_split_kernel_sm90_narrow", decode_sm90_narrow)}
+           "decode_sm90_narrow": ("mla_decode_split_kernel_sm90_narrow", decode_sm90_narrow),
+           "decode_sm90_seesaw": ("mla_decode_split_kernel_sm90_seesaw", decode_sm90_seesaw)}
 OURS = {name: getattr(module, kernel) for name, (kernel, module) in MODULES.items()}
 
 
@@ -47,9 +50,16 @@ def revision_source(revision: str, name: str) -> str:
     """Module ``name``'s source at a git revision, or in a folder of copies (``revision`` names one:
     for a machine whose git history is missing or stale)."""
     if Path(revision).is_dir():
-        return (Path(revision) / f"{name}.py").read_text()
-    return subprocess.run(["git", "show", f"{revision}:common_kernels/mla/{name}.py"], cwd=REPO, check=True,
-                          capture_output=True, text=True).stdout
+        path = Path(revision) / f"{name}.py"
+        if path.is_file():
+            return path.read_text()
+    else:
+        shown = subprocess.run(["git", "show", f"{revision}:common_kernels/mla/{name}.py"], cwd=REPO,
+                               capture_output=True, text=True)
+        if shown.returncode == 0:
+            return shown.stdout
+    raise ValueError(f"--base {revision}: no {name}.py there; the A/B needs all of {sorted(MODULES)} "
+                     "(decode_sm90_seesaw.py exists from 2026-12-02 on)")
 
 
 def load_revision(revision: str) -> dict[str, types.ModuleType]:
@@ -58,7 +68,7 @@ def load_revision(revision: str) -> dict[str, types.ModuleType]:
     loaded = {}
     for name in MODULES:
         source = revision_source(revision, name)
-        if name == "decode_sm90_narrow":  # its own import of the 64-row module: the revision's too
+        if name != "decode_sm90":  # their own import of the fp8 64-row module: the revision's too
             source = source.replace("from .decode_sm90 import", "from .decode_sm90_at_base import")
         qualified = f"common_kernels.mla.{name}_at_base"
         path = REPO / "common_kernels" / "mla" / f"{name}_at_base.py"  # the name Gluon's errors show; not written
@@ -140,7 +150,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="HEAD", help="the git revision to compare with (default HEAD), or a folder "
-                        "holding its decode_sm90.py and decode_sm90_narrow.py")
+                        "holding its decode_sm90.py, decode_sm90_narrow.py and decode_sm90_seesaw.py")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--q-len", type=int, nargs="+", default=[1, 2])

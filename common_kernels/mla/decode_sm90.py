@@ -1,11 +1,12 @@
-"""The MLA decode split kernel for Hopper (sm_90), in Gluon: 64-row groups.
+"""The MLA decode split kernel for Hopper (sm_90), in Gluon: 64-row groups over an fp8 cache.
 
 Same contract, arguments and partial outputs as ``decode._mla_decode_split_kernel`` (the module
 docstring of ``decode`` has the formula), for the launches it takes: ``BLOCK_R = 64`` rows,
-``D_latent = 512``, ``D_rope = 64``, a paged cache (bf16/fp16, or fp8 with E4M3 queries as
-``DecodePlan.fp8_queries`` sets for 64-row groups; no dense keys). ``decode.mla_decode`` sends
+``D_latent = 512``, ``D_rope = 64``, a paged fp8 cache with E4M3 queries as
+``DecodePlan.fp8_queries`` sets for 64-row groups (no dense keys). ``decode.mla_decode`` sends
 those launches here on an sm_90 GPU and keeps the Triton kernel for the rest, for the interpreter
-and as the fallback (``LATENTSPEED_MLA_DECODE_SM90=0``).
+and as the fallback (``LATENTSPEED_MLA_DECODE_SM90=0``). 16-bit caches' 64-row groups go to
+``decode_sm90_seesaw`` (this kernel's schedule took them until 2026-12-02: 1.07-1.12x slower).
 
 Why a second kernel: for ``S = Q K^T`` chained into ``P V`` Triton gives both warpgroups the
 whole ``[64, BLOCK_N]`` score tile, so each computes all of ``Q K^T`` and the 8-warp program
@@ -16,7 +17,7 @@ are explicit:
   computes ``[64, BLOCK_N / 2]`` from the queries in shared memory and its half of the keys;
 - softmax in fp32, base 2; the row max reduces across both warpgroups every tile, the row sum
   once at the end (each thread keeps its score elements' running sums);
-- ``P`` goes to shared memory in the query dtype (fp16 with an fp8 cache);
+- ``P`` goes to shared memory in fp16;
 - ``P V``: wgmma, warpgroups split the 512 latent columns, each holds ``[64, 256]`` fp32;
 - cache tiles: ``cp.async`` per row (pages are not contiguous) into a ring of ``NUM_BUFS``
   shared buffers, ``NUM_BUFS - 1`` tiles in flight ahead of the one being used, their page ids
@@ -27,13 +28,13 @@ three or four buffers were 1.4x slower (the per-tile synchronization dominates),
 ``P V`` of tile i back to back with ``Q K^T`` of tile i + 1 was 5-10 % slower (the next copy then
 starts a tile later).
 
-fp8 caches: ``Q K^T`` is one fp8 wgmma over E4M3 queries (rounded as the Triton kernel rounds them)
-and the fp8 keys as they are in shared memory. fp8 wgmma reads only K-major operands, so each
-tile's latent part is also widened to fp16 (exact) into a ``V`` buffer for ``P V``, while
-``Q K^T`` runs.
+``Q K^T`` is one fp8 wgmma over E4M3 queries (rounded as the Triton kernel rounds them) and the
+fp8 keys as they are in shared memory. fp8 wgmma reads only K-major operands, so each tile's
+latent part is also widened to fp16 (exact) into a ``V`` buffer for ``P V``, while ``Q K^T``
+runs.
 
-Shared memory at ``BLOCK_N = 64``, two buffers: bf16 queries 72 KiB, tiles 2 x 72 KiB, ``P`` 8 KiB;
-fp8: queries 36 KiB, tiles 2 x 36 KiB, ``V`` 64 KiB, ``P`` 8 KiB.
+Shared memory at ``BLOCK_N = 64``, two buffers: queries 36 KiB, tiles 2 x 36 KiB, ``V`` 64 KiB,
+``P`` 8 KiB.
 """
 
 import torch
@@ -59,7 +60,7 @@ V_CHUNK = gl.constexpr(128)  # fp8 caches: latent columns widened per step (boun
 
 def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, d_latent: int, d_rope: int) -> bool:
     """Whether this kernel takes a launch of that shape (on an sm_90 GPU)."""
-    return (block_rows == BLOCK_R and keys_dtype in (torch.bfloat16, torch.float16, *FP8_DTYPES) and paged
+    return (block_rows == BLOCK_R and keys_dtype in FP8_DTYPES and paged
             and page_size % BLOCK_N == 0 and (d_latent, d_rope) == (D_LATENT, D_ROPE))
 
 
@@ -191,19 +192,16 @@ def mla_decode_split_kernel_sm90(
     KEYS_DENSE: gl.constexpr,
     NUM_BUFS: gl.constexpr,
 ):
-    gl.static_assert(IS_FP8 == FP8_QUERIES and not KEYS_DENSE, "paged caches; fp8 ones with fp8 queries")
+    gl.static_assert(IS_FP8 and FP8_QUERIES and not KEYS_DENSE, "paged fp8 caches with fp8 queries")
     gl.static_assert(BLOCK_R == 64 and PAGE_SIZE % BLOCK_N == 0 and NUM_BUFS >= 2)
-    dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
     key_ty: gl.constexpr = cache_ptr.dtype.element_ty
-    # Q K^T operands (E4M3 queries for an fp8 cache) and P V operands (fp16 P, widened V for fp8).
-    qk_ty: gl.constexpr = gl.float8e4nv if IS_FP8 else dtype
-    pv_ty: gl.constexpr = gl.float16 if IS_FP8 else dtype
+    # Q K^T operands: E4M3 queries; P V operands: fp16 P and the widened V.
+    qk_ty: gl.constexpr = gl.float8e4nv
+    pv_ty: gl.constexpr = gl.float16
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    # 16-byte copies of cache rows: 16 fp8 or 8 half values a thread
-    ld_keys: gl.constexpr = (gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0]) if IS_FP8
-                             else ld_layout)
+    ld_keys: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])  # 16-byte copies
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                    instr_shape=[16, BLOCK_N // 2, 32 if IS_FP8 else 16])
+                                                    instr_shape=[16, BLOCK_N // 2, 32])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                     instr_shape=[16, D_LATENT // 2, 16])
     rows_s: gl.constexpr = gl.SliceLayout(1, mma_s)
@@ -230,12 +228,8 @@ def mla_decode_split_kernel_sm90(
     q_nope, q_pe, q_scale = _load_queries(q_nope_ptr, q_pe_ptr, q_start, q_len, pid_g, stride_qn_t, stride_qn_h,
                                           stride_qp_t, stride_qp_h, NUM_HEADS, D_LATENT, D_ROPE, BLOCK_R, IS_FP8,
                                           ld_layout)
-    if IS_FP8:
-        kv_scale = gl.load(kv_scale_ptr)
-        score_scale = gl.convert_layout(qk_scale_log2 * kv_scale / q_scale, rows_s)[:, None]
-    else:
-        kv_scale = 1.0
-        score_scale = qk_scale_log2
+    kv_scale = gl.load(kv_scale_ptr)
+    score_scale = gl.convert_layout(qk_scale_log2 * kv_scale / q_scale, rows_s)[:, None]
     qn_smem = gl.allocate_shared_memory(qk_ty, [BLOCK_R, D_LATENT],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_R, D_LATENT], qk_ty), q_nope)
     qp_smem = gl.allocate_shared_memory(qk_ty, [BLOCK_R, D_ROPE],
@@ -246,9 +240,9 @@ def mla_decode_split_kernel_sm90(
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], key_ty))
     p_smem = gl.allocate_shared_memory(pv_ty, [BLOCK_R, BLOCK_N],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], pv_ty))
-    if IS_FP8:  # fp8 wgmma reads B K-major only: V (keys along K) is widened into fp16 each tile
-        v_smem = gl.allocate_shared_memory(pv_ty, [BLOCK_N, D_LATENT],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], pv_ty))
+    # fp8 wgmma reads B K-major only: V (keys along K) is widened into fp16 each tile
+    v_smem = gl.allocate_shared_memory(pv_ty, [BLOCK_N, D_LATENT],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], pv_ty))
 
     # Row visibility, in the score layout: causal bound, or tree mask bits.
     row_s = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=rows_s)
@@ -277,11 +271,7 @@ def mla_decode_split_kernel_sm90(
 
         s = warpgroup_mma(qn_smem, kc.permute([1, 0]), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(qp_smem, kp.permute([1, 0]), s, is_async=True)
-        if IS_FP8:  # while Q K^T runs
-            _widen_latent(kc, v_smem, ld_keys, D_LATENT)
-            v = v_smem
-        else:
-            v = kc
+        _widen_latent(kc, v_smem, ld_keys, D_LATENT)  # while Q K^T runs
         s, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, qp_smem, kc, kp])
 
         offs_n = start + i * BLOCK_N + offs_key
@@ -304,8 +294,8 @@ def mla_decode_split_kernel_sm90(
         p_smem.store(p.to(pv_ty))
         fence_async_shared()
         gl.thread_barrier()  # all of P (and V) is written before either warpgroup reads it
-        acc = warpgroup_mma(p_smem, v, acc * gl.convert_layout(alpha, rows_o)[:, None], is_async=True)
-        acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_smem, v])
+        acc = warpgroup_mma(p_smem, v_smem, acc * gl.convert_layout(alpha, rows_o)[:, None], is_async=True)
+        acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_smem, v_smem])
     async_copy.wait_group(0)
 
     l_i = gl.sum(l_tile, axis=1)

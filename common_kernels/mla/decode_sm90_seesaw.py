@@ -1,0 +1,407 @@
+"""The MLA decode split kernel for Hopper (sm_90), in Gluon: 64-row groups over a 16-bit paged
+cache, with the two warpgroups in different phases (the schedule FlashMLA calls "seesaw").
+
+Same contract, arguments and partial outputs as ``decode._mla_decode_split_kernel`` (the module
+docstring of ``decode`` has the formula), for the launches it takes: ``BLOCK_R = 64`` rows, a bf16 or
+fp16 paged cache with pages a multiple of 64 tokens, ``D_latent = 512``, ``D_rope = 64``, no dense
+keys. ``decode.mla_decode`` sends those launches here on an sm_90 GPU with ``num_warps=NUM_WARPS``
+and ``maxnreg=MAXNREG`` (``decode_sm90`` takes the fp8 caches' 64-row groups).
+
+Why a second schedule: in ``decode_sm90`` both warpgroups work on every phase of a tile (scores,
+softmax, ``P V``) together, so the tensor cores idle while they both run the softmax. Here
+``gl.warp_specialize`` gives each warpgroup its own instruction stream (warpgroup 0 is the default
+partition, warpgroup 1 a 4-warp worker), and the tiles go in pairs: even tile ``b`` in buffer 0,
+odd tile ``b + 1`` in buffer 1.
+
+- Warpgroup 0 computes the whole score tile ``S0 = Q K_b^T`` (wgmma, queries and keys in shared
+  memory) and owns output columns 0-255; warpgroup 1 computes ``S1 = Q K_{b+1}^T`` and owns
+  columns 256-511. Each holds ``[64, 256]`` fp32 of the output.
+- One running row maximum lives in shared memory; each warpgroup's softmax publishes its rescale
+  factor beside it. Per pair:
+
+      wg0: softmax(S0) -> scale0 | O_L = O_L*scale0 + P0 V0_L | wait scale1 | P0*scale1 -> smem
+           | refill buffer 0 columns 0-255 | wait "P0 V0_R issued" | O_L = O_L*scale1 + P1 V1_L
+           | issue S0' = Q K_{b+2}^T | (P1 V1_L done) refill buffer 1 columns 0-255
+      wg1: wait scale0 | softmax(S1) -> scale1 | P1 -> smem | O_R = O_R*scale0*scale1 + P1 V1_R
+           | wait P0 | O_R += P0 V0_R | refill buffers 1 and 0 columns 256-575 | S1' = Q K_{b+3}^T
+
+  While one warpgroup runs its softmax, the other's wgmma keep the tensor cores busy. The
+  handshakes are named barriers over both warpgroups (``bar.arrive`` / ``bar.sync``).
+- Each warpgroup refills the part of a buffer that only it reads last, so a buffer needs no
+  "free" signal; "full" is an mbarrier on which every thread's ``cp.async`` copies arrive (256
+  arrivals). Rows past the split's end are zero-filled; a pair past the last tile computes on
+  those zeros, fully masked.
+- A tile below the split's end and below every row's first invisible key skips the mask.
+
+Shared memory: queries 72 KiB, two 64-token tiles 144 KiB, ``P0`` 8 KiB: 225.5 KiB with the row
+vectors and barriers. ``P1`` reuses the queries' RoPE part, which each warpgroup first loads into
+registers (wgmma's A operand from registers). ptxas for sm_90a: 240 registers, no spills
+(``python -m benchmarks.hopper_compile decode --heads 128 --cache bf16``).
+
+Measured on the H200 (``benchmarks/results/mla_decode-sm90-seesaw-2026-12-02.md``): 1.07-1.12x
+faster than ``decode_sm90``'s 16-bit path; 1.09-1.24x FLASHMLA's time at batch 128, 128 heads.
+"""
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .cache import HALF_DTYPES
+from .decode_sm90 import D_LATENT, D_ROPE, _page_of
+
+BLOCK_R = 64
+BLOCK_N = 64
+NUM_WARPS = 4  # warpgroup 0; warpgroup 1 is a worker partition of 4 more
+MAXNREG = 240  # registers a thread, both warpgroups (no spills at 240; the launch's cap)
+_WORKER_REGS = gl.constexpr(MAXNREG)
+_DEFAULT_WARPS = gl.constexpr(NUM_WARPS)
+HALF = gl.constexpr(D_LATENT // 2)  # output columns a warpgroup owns
+
+# Named barriers over both warpgroups (256 threads); Triton's own use ids 0, 1 and 2 + worker index.
+SYNC_SCALE0 = gl.constexpr("bar.sync 8, 256; mov.u32 $0, 0;")
+ARRIVE_SCALE0 = gl.constexpr("bar.arrive 8, 256; mov.u32 $0, 0;")
+SYNC_SCALE1 = gl.constexpr("bar.sync 9, 256; mov.u32 $0, 0;")
+ARRIVE_SCALE1 = gl.constexpr("bar.arrive 9, 256; mov.u32 $0, 0;")
+SYNC_P0 = gl.constexpr("bar.sync 10, 256; mov.u32 $0, 0;")
+ARRIVE_P0 = gl.constexpr("bar.arrive 10, 256; mov.u32 $0, 0;")
+SYNC_P0_ISSUED = gl.constexpr("bar.sync 11, 256; mov.u32 $0, 0;")
+ARRIVE_P0_ISSUED = gl.constexpr("bar.arrive 11, 256; mov.u32 $0, 0;")
+SYNC_END = gl.constexpr("bar.sync 12, 256; mov.u32 $0, 0;")
+
+
+def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, d_latent: int, d_rope: int) -> bool:
+    """Whether this kernel takes a launch of that shape (on an sm_90 GPU)."""
+    return (block_rows == BLOCK_R and keys_dtype in HALF_DTYPES and paged and page_size % BLOCK_N == 0
+            and (d_latent, d_rope) == (D_LATENT, D_ROPE))
+
+
+@gluon.jit
+def _named_barrier(ASM: gl.constexpr):
+    """One of the ``SYNC_*`` / ``ARRIVE_*`` handshakes above."""
+    gl.inline_asm_elementwise(ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _opaque_zero():
+    """0, unknown to the compiler: shared-memory views indexed by it are rebuilt where they are used,
+    so their wgmma descriptors are not computed once and kept live (spilled) across the loop."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _copy_part(kc, kp, bar, n0, end, cache_ptr, page, stride_cache_block, stride_cache_tok, WG: gl.constexpr,
+               PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr):
+    """Warpgroup ``WG``'s part of cache tokens ``[n0, n0 + BLOCK_N)`` below ``end`` into one buffer
+    (wg0: latent columns 0-255; wg1: 256-511 and the RoPE part); each thread arrives on ``bar``
+    when its copies have landed. Rows past ``end`` are zero-filled, nothing read for them."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    offs_tok = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
+    rows = cache_ptr + page * stride_cache_block + (offs_tok % PAGE_SIZE)[:, None].to(gl.int64) * stride_cache_tok
+    in_range = (offs_tok < end)[:, None]
+    offs_c = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld))
+    if WG == 0:
+        async_copy.async_copy_global_to_shared(kc.slice(0, HALF, dim=1), rows + offs_c[None, :], mask=in_range)
+    else:
+        async_copy.async_copy_global_to_shared(kc.slice(HALF, HALF, dim=1), rows + HALF + offs_c[None, :],
+                                               mask=in_range)
+        offs_p = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld))
+        async_copy.async_copy_global_to_shared(kp, rows + D_LATENT + offs_p[None, :], mask=in_range)
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def _scores(qn_smem, q_pe, kc, kp, bar, phase, BLOCK_N: gl.constexpr, mma_s: gl.constexpr):
+    """Issue ``Q K^T`` for the tile in (kc, kp) once it has landed (not waited for)."""
+    mbarrier.wait(bar, phase)
+    s = warpgroup_mma(qn_smem, kc.permute([1, 0]), gl.zeros([64, BLOCK_N], gl.float32, layout=mma_s),
+                      use_acc=False, is_async=True)
+    return warpgroup_mma(q_pe, kp.permute([1, 0]), s, is_async=True)
+
+
+@gluon.jit
+def _masked(s, t, start, end, draft_start, row_s, mask_bits, NUM_HEADS: gl.constexpr, BLOCK_N: gl.constexpr,
+            TREE_MASK: gl.constexpr, PREFIX_ONLY: gl.constexpr, mma_s: gl.constexpr):
+    """Scores of tile ``t`` (already in base-2 units) with invisible keys at -inf; a tile below
+    ``end`` and below every row's first invisible key (the draft tokens' causal or tree bound)
+    needs no mask."""
+    n0 = start + t * BLOCK_N
+    if PREFIX_ONLY:
+        bound = end
+    elif TREE_MASK:
+        bound = gl.minimum(end, draft_start)
+    else:
+        bound = gl.minimum(end, draft_start + 1)
+    if n0 + BLOCK_N > bound:
+        s = _mask(s, n0, end, draft_start, row_s, mask_bits, NUM_HEADS, BLOCK_N, TREE_MASK, PREFIX_ONLY, mma_s)
+    return s
+
+
+@gluon.jit
+def _mask(s, n0, end, draft_start, row_s, mask_bits, NUM_HEADS: gl.constexpr, BLOCK_N: gl.constexpr,
+          TREE_MASK: gl.constexpr, PREFIX_ONLY: gl.constexpr, mma_s: gl.constexpr):
+    """The mask itself: keys past ``end``, or past a row's causal bound, or outside its tree."""
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
+    if TREE_MASK:
+        draft_k = offs_n - draft_start
+        in_tree = ((mask_bits[:, None] >> gl.maximum(draft_k, 0)[None, :].to(gl.int64)) & 1) != 0
+        seen = (offs_n < end)[None, :] & ((draft_k < 0)[None, :] | in_tree)
+    elif PREFIX_ONLY:
+        seen = (offs_n < end)[None, :]
+    else:
+        visible = draft_start + 1 + row_s // NUM_HEADS
+        seen = (offs_n < end)[None, :] & (offs_n[None, :] < visible[:, None])
+    return gl.where(seen, s, float("-inf"))
+
+
+@gluon.jit
+def _warpgroup(state, WG: gl.constexpr, NUM_HEADS: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr,
+               PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_OUT: gl.constexpr, TREE_MASK: gl.constexpr,
+               PREFIX_ONLY: gl.constexpr):
+    """Warpgroup ``WG``'s side of the schedule (module docstring); ``state`` is the kernel's tuple
+    of shared buffers, pointers and scalars (a tuple, so that the constexprs passed beside it stay
+    constexprs through ``warp_specialize``)."""
+    (qn_ring, qp_smem, kc_ring, kp_ring, p0_smem, m_smem, scale_smem, l_smem, full_bars, cache_ptr, block_table_ptr,
+     tree_mask_ptr, out_ptr, lse_ptr, qk_scale_log2, pid_g, pid_s, pid_b, q_start, q_len, draft_start, start, end,
+     stride_cache_block, stride_cache_tok, stride_bt_b, stride_out_t, stride_out_h, stride_out_s, stride_lse_t,
+     stride_lse_h) = state
+    dtype: gl.constexpr = qn_ring.dtype
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    rows_s: gl.constexpr = gl.SliceLayout(1, mma_s)
+    rows_o: gl.constexpr = gl.SliceLayout(1, mma_o)
+    p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
+
+    row_s = pid_g * 64 + gl.arange(0, 64, layout=rows_s)
+    if TREE_MASK:
+        mask_bits = gl.load(tree_mask_ptr + q_start + row_s // NUM_HEADS, mask=row_s < q_len * NUM_HEADS, other=0)
+    else:
+        mask_bits = row_s  # not read without a tree
+    bt_row = block_table_ptr + pid_b * stride_bt_b
+    qn_smem = qn_ring.index(0)
+    kc0 = kc_ring.index(0)
+    kp0 = kp_ring.index(0)
+    kc1 = kc_ring.index(1)
+    kp1 = kp_ring.index(1)
+    bar0 = full_bars.index(0)
+    bar1 = full_bars.index(1)
+    # Q's RoPE part into registers: its shared memory becomes P1 once both warpgroups hold it.
+    q_pe = qp_smem.load(gl.DotOperandLayout(operand_index=0, parent=mma_s, k_width=2))
+    p1_smem = qp_smem
+
+    _copy_part(kc0, kp0, bar0, start, end, cache_ptr, _page_of(bt_row, start, end, PAGE_SIZE), stride_cache_block,
+               stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
+    _copy_part(kc1, kp1, bar1, start + BLOCK_N, end, cache_ptr, _page_of(bt_row, start + BLOCK_N, end, PAGE_SIZE),
+               stride_cache_block, stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
+    if WG == 0:
+        s = _scores(qn_smem, q_pe, kc0, kp0, bar0, 0, BLOCK_N, mma_s)
+        v_own = kc0.slice(0, HALF, dim=1)
+        v_other = kc1.slice(0, HALF, dim=1)
+    else:
+        s = _scores(qn_smem, q_pe, kc1, kp1, bar1, 0, BLOCK_N, mma_s)
+        v_own = kc1.slice(HALF, HALF, dim=1)
+        v_other = kc0.slice(HALF, HALF, dim=1)
+    s, _, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, kc0, kc1, kp0, kp1])
+
+    acc = gl.zeros([64, HALF], gl.float32, layout=mma_o)
+    l_i = gl.zeros([64], gl.float32, layout=rows_s)
+    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    for j in range(gl.cdiv(n_tiles, 2)):
+        b = 2 * j
+        z = _opaque_zero()
+        qn_smem = qn_ring.index(z)
+        kc0 = kc_ring.index(z)
+        kp0 = kp_ring.index(z)
+        kc1 = kc_ring.index(z + 1)
+        kp1 = kp_ring.index(z + 1)
+        if WG == 0:
+            v_own = kc0.slice(0, HALF, dim=1)
+            v_other = kc1.slice(0, HALF, dim=1)
+        else:
+            v_own = kc1.slice(HALF, HALF, dim=1)
+            v_other = kc0.slice(HALF, HALF, dim=1)
+        page_a = _page_of(bt_row, start + (b + 2) * BLOCK_N, end, PAGE_SIZE)
+        page_b = _page_of(bt_row, start + (b + 3) * BLOCK_N, end, PAGE_SIZE)
+        phase = (j + 1) & 1
+        if WG == 0:
+            m_old = m_smem.load(rows_s)
+            s = _masked(s * qk_scale_log2, b, start, end, draft_start, row_s, mask_bits, NUM_HEADS, BLOCK_N,
+                        TREE_MASK, PREFIX_ONLY, mma_s)
+            m_new = gl.maximum(m_old, gl.max(s, axis=1))
+            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+            scale0 = gl.exp2(m_old - m_shift)
+            p = gl.exp2(s - m_shift[:, None])
+            l_i = l_i * scale0 + gl.sum(p, axis=1)
+            m_smem.store(m_new)
+            scale_smem[0].store(scale0)
+            _named_barrier(ARRIVE_SCALE0)
+            p = p.to(dtype)  # kept as the wgmma operand and, rescaled, for warpgroup 1
+            acc = acc * gl.convert_layout(scale0, rows_o)[:, None]
+            acc = warpgroup_mma(gl.convert_layout(p, p_operand), v_own, acc, is_async=True)
+            acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, v_own])
+            _named_barrier(SYNC_SCALE1)
+            scale1 = scale_smem[1].load(rows_s)
+            p0_smem.store((p.to(gl.float32) * scale1[:, None]).to(dtype))
+            fence_async_shared()
+            _named_barrier(ARRIVE_P0)
+            _copy_part(kc0, kp0, bar0, start + (b + 2) * BLOCK_N, end, cache_ptr, page_a, stride_cache_block,
+                       stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
+            _named_barrier(SYNC_P0_ISSUED)  # P1 is in shared memory too
+            l_i = l_i * scale1
+            acc = acc * gl.convert_layout(scale1, rows_o)[:, None]
+            acc = warpgroup_mma(p1_smem, v_other, acc, is_async=True)
+            s = _scores(qn_smem, q_pe, kc0, kp0, bar0, phase, BLOCK_N, mma_s)
+            acc, _, _ = warpgroup_mma_wait(num_outstanding=2, deps=[acc, p1_smem, v_other])
+            _copy_part(kc1, kp1, bar1, start + (b + 3) * BLOCK_N, end, cache_ptr, page_b, stride_cache_block,
+                       stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
+            s, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, kc0, kp0])
+        else:
+            _named_barrier(SYNC_SCALE0)
+            m_old = m_smem.load(rows_s)
+            scale0 = scale_smem[0].load(rows_s)
+            s = _masked(s * qk_scale_log2, b + 1, start, end, draft_start, row_s, mask_bits, NUM_HEADS, BLOCK_N,
+                        TREE_MASK, PREFIX_ONLY, mma_s)
+            m_new = gl.maximum(m_old, gl.max(s, axis=1))
+            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+            scale1 = gl.exp2(m_old - m_shift)
+            p = gl.exp2(s - m_shift[:, None])
+            l_i = l_i * (scale0 * scale1) + gl.sum(p, axis=1)
+            m_smem.store(m_new)
+            scale_smem[1].store(scale1)
+            _named_barrier(ARRIVE_SCALE1)
+            p_half = p.to(dtype)
+            p1_smem.store(p_half)
+            fence_async_shared()
+            acc = acc * gl.convert_layout(scale0 * scale1, rows_o)[:, None]
+            acc = warpgroup_mma(gl.convert_layout(p_half, p_operand), v_own, acc, is_async=True)
+            _named_barrier(SYNC_P0)
+            acc = warpgroup_mma(p0_smem, v_other, acc, is_async=True)
+            _named_barrier(ARRIVE_P0_ISSUED)
+            acc, _ = warpgroup_mma_wait(num_outstanding=1, deps=[acc, v_own])
+            _copy_part(kc1, kp1, bar1, start + (b + 3) * BLOCK_N, end, cache_ptr, page_b, stride_cache_block,
+                       stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
+            acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p0_smem, v_other])
+            _copy_part(kc0, kp0, bar0, start + (b + 2) * BLOCK_N, end, cache_ptr, page_a, stride_cache_block,
+                       stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
+            s = _scores(qn_smem, q_pe, kc1, kp1, bar1, phase, BLOCK_N, mma_s)
+            s, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, kc1, kp1])
+
+    # Both warpgroups' row sums are relative to the final maximum: add them through shared memory.
+    l_smem[WG].store(l_i)
+    _named_barrier(SYNC_END)
+    l_i = l_i + l_smem[1 - WG].load(rows_s)
+    m_i = m_smem.load(rows_s)
+    has_keys = l_i > 0.0
+    safe_l = gl.where(has_keys, l_i, 1.0)
+    out = acc * gl.convert_layout(1.0 / safe_l, rows_o)[:, None]
+
+    row_o = pid_g * 64 + gl.arange(0, 64, layout=rows_o)
+    out_rows = (q_start + row_o // NUM_HEADS)[:, None] * stride_out_t + (row_o % NUM_HEADS)[:, None] * stride_out_h
+    offs_co = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, mma_o))
+    out_mask = (row_o < q_len * NUM_HEADS)[:, None]
+    if DIRECT_OUT:
+        gl.store(out_ptr + out_rows + offs_co[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        gl.store(out_ptr + out_rows + pid_s * stride_out_s + offs_co[None, :], out, mask=out_mask)
+    if WG == 0:
+        lse = gl.where(has_keys, (m_i + gl.log2(safe_l)) * 0.6931471805599453, float("-inf"))  # ln 2
+        lse_ptrs = lse_ptr + (q_start + row_s // NUM_HEADS) * stride_lse_t + (row_s % NUM_HEADS) * stride_lse_h
+        if not DIRECT_OUT:
+            lse_ptrs += pid_s
+        gl.store(lse_ptrs, lse, mask=row_s < q_len * NUM_HEADS)
+
+
+@gluon.jit
+def _warpgroup0(state, NUM_HEADS: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                BLOCK_N: gl.constexpr, DIRECT_OUT: gl.constexpr, TREE_MASK: gl.constexpr, PREFIX_ONLY: gl.constexpr):
+    _warpgroup(state, 0, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK, PREFIX_ONLY)
+
+
+@gluon.jit
+def _warpgroup1(state, NUM_HEADS: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                BLOCK_N: gl.constexpr, DIRECT_OUT: gl.constexpr, TREE_MASK: gl.constexpr, PREFIX_ONLY: gl.constexpr):
+    _warpgroup(state, 1, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK, PREFIX_ONLY)
+
+
+@gluon.jit
+def mla_decode_split_kernel_sm90_seesaw(
+    q_nope_ptr, q_pe_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, kv_scale_ptr, tree_mask_ptr, q_start_ptr,
+    out_ptr, lse_ptr, qk_scale_log2, uniform_q_len,
+    stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_cache_block, stride_cache_tok, stride_bt_b,
+    stride_out_t, stride_out_h, stride_out_s, stride_lse_t, stride_lse_h,
+    NUM_HEADS: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr, IS_FP8: gl.constexpr, FP8_QUERIES: gl.constexpr,
+    DIRECT_OUT: gl.constexpr, TREE_MASK: gl.constexpr, VARLEN: gl.constexpr, PREFIX_ONLY: gl.constexpr,
+    KEYS_DENSE: gl.constexpr,
+):
+    gl.static_assert(not IS_FP8 and not FP8_QUERIES and not KEYS_DENSE, "16-bit paged caches only")
+    gl.static_assert(BLOCK_R == 64 and BLOCK_N == 64 and PAGE_SIZE % BLOCK_N == 0)
+    gl.static_assert(D_LATENT == 2 * HALF and D_ROPE == 64)
+    gl.static_assert(gl.num_warps() == _DEFAULT_WARPS, "warpgroup 0 is the default partition")
+    dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
+
+    pid_g = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    pid_b = gl.program_id(2).to(gl.int64)
+    num_splits = gl.num_programs(1)
+    if VARLEN:
+        q_start_32 = gl.load(q_start_ptr + pid_b)
+        q_len = gl.load(q_start_ptr + pid_b + 1) - q_start_32
+        q_start = q_start_32.to(gl.int64)
+    else:
+        q_start = pid_b * uniform_q_len
+        q_len = uniform_q_len
+    seq_len = gl.load(seq_lens_ptr + pid_b)
+    draft_start = seq_len - q_len
+    num_keys = draft_start if PREFIX_ONLY else seq_len
+    split_len = gl.cdiv(gl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * split_len
+    end = gl.minimum(start + split_len, num_keys)
+
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    offs_r = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ld))
+    mask_r = (offs_r < q_len * NUM_HEADS)[:, None]
+    q_rows = (q_start + offs_r // NUM_HEADS)[:, None]
+    heads = (offs_r % NUM_HEADS)[:, None]
+    offs_c = gl.arange(0, D_LATENT, layout=gl.SliceLayout(0, ld))
+    offs_p = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld))
+    q_nope = gl.load(q_nope_ptr + q_rows * stride_qn_t + heads * stride_qn_h + offs_c[None, :], mask=mask_r, other=0.0)
+    q_pe = gl.load(q_pe_ptr + q_rows * stride_qp_t + heads * stride_qp_h + offs_p[None, :], mask=mask_r, other=0.0)
+    qn_ring = gl.allocate_shared_memory(dtype, [1, BLOCK_R, D_LATENT],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, D_LATENT], dtype))
+    qn_ring.index(0).store(q_nope)
+    qp_smem = gl.allocate_shared_memory(dtype, [BLOCK_R, D_ROPE],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, D_ROPE], dtype), q_pe)
+    kc_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_LATENT],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], dtype))
+    kp_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_ROPE],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], dtype))
+    p0_smem = gl.allocate_shared_memory(dtype, [BLOCK_R, BLOCK_N],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], dtype))
+    vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_R], vec,
+                                       gl.full([BLOCK_R], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ld)))
+    # the two warpgroups' rescale factors and, at the end, their row sums
+    scale_smem = (gl.allocate_shared_memory(gl.float32, [BLOCK_R], vec),
+                  gl.allocate_shared_memory(gl.float32, [BLOCK_R], vec))
+    l_smem = (gl.allocate_shared_memory(gl.float32, [BLOCK_R], vec),
+              gl.allocate_shared_memory(gl.float32, [BLOCK_R], vec))
+    full_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(full_bars.index(0), count=256)
+    mbarrier.init(full_bars.index(1), count=256)
+    fence_async_shared()
+
+    state = (qn_ring, qp_smem, kc_ring, kp_ring, p0_smem, m_smem, scale_smem, l_smem, full_bars,
+             cache_ptr, block_table_ptr, tree_mask_ptr, out_ptr, lse_ptr, qk_scale_log2,
+             pid_g, pid_s, pid_b, q_start, q_len, draft_start, start, end, stride_cache_block, stride_cache_tok,
+             stride_bt_b, stride_out_t, stride_out_h, stride_out_s, stride_lse_t, stride_lse_h)
+    gl.warp_specialize([
+        (_warpgroup0, (state, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK, PREFIX_ONLY)),
+        (_warpgroup1, (state, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK, PREFIX_ONLY)),
+    ], [4], [_WORKER_REGS])
