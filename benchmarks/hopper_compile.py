@@ -92,10 +92,9 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int,
 def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 64, varlen: bool = False,
                   prefix_only: bool = False, keys_dense: bool = False) -> HopperReport:
     """The MLA decode split kernel as ``mla_decode`` launches it for this shape on sm_90: a Gluon
-    kernel (``decode_sm90_seesaw``, ``decode_sm90``, ``decode_sm90_narrow``) where one fits, else the
-    Triton kernel."""
+    kernel (``decode_sm90_seesaw``, ``decode_sm90_narrow``) where one fits, else the Triton kernel."""
     from common_kernels.fp8_format import FP8_DTYPES
-    from common_kernels.mla import decode, decode_sm90, decode_sm90_seesaw
+    from common_kernels.mla import decode, decode_sm90_seesaw
 
     sm90 = decode.sm90_kernel_for(64, cache_dtype, True, page, 512, 64) is not None  # sm90_kernels_apply on an H200
     plan = decode.plan_decode(128, heads, q_len, 8192, 132, cache_dtype=cache_dtype, sm90=sm90)
@@ -108,9 +107,6 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
     if module is decode_sm90_seesaw:
         kernel, block_n, num_warps = module.mla_decode_split_kernel_sm90_seesaw, module.BLOCK_N, module.NUM_WARPS
         maxnreg = module.MAXNREG
-    elif module is decode_sm90:
-        kernel, block_n, num_warps = decode_sm90.mla_decode_split_kernel_sm90, decode_sm90.BLOCK_N, decode_sm90.NUM_WARPS
-        extra = dict(NUM_BUFS=decode_sm90.NUM_BUFS)
     elif module is not None:
         kernel, block_n, num_warps = module.mla_decode_split_kernel_sm90_narrow, module.BLOCK_N, module.NUM_WARPS
         extra = dict(NUM_BUFS=module.NUM_BUFS)

@@ -1,9 +1,9 @@
 """A/B of the sm_90 MLA decode kernels: the working tree's against those of a git revision, in one
 process, on the same inputs and plans.
 
-The revision's ``common_kernels/mla/decode_sm90.py``, ``decode_sm90_narrow.py`` and
-``decode_sm90_seesaw.py`` are loaded from ``git show`` as modules of their own (their relative
-imports resolved against the working tree's package), and ``decode.mla_decode`` is pointed at one
+The revision's ``common_kernels/mla/decode_sm90_seesaw.py`` and ``decode_sm90_narrow.py`` are
+loaded from ``git show`` as modules of their own (their relative imports, ``sm90_common`` among
+them, resolved against the working tree's package), and ``decode.mla_decode`` is pointed at one
 kernel set or the other by swapping the module attributes it launches. Each shape: both outputs
 against ``mla_decode_ref`` (relative error, at the first context length), then CUDA-graph replay
 medians (``mla_decode_splits.timed``). One JSON row per shape: both times and ``base_us / ours_us``
@@ -19,8 +19,8 @@ only (the plan is made under it too), to time a launch setting without a new rev
         --ours-set decode_sm90_narrow.NUM_BUFS=3 decode_sm90_narrow.PROGRAMS_PER_SM_FP8=1 --out ab.jsonl
 
 Where the repository's history cannot be trusted (on the GPU host, ``git rev-parse HEAD`` named the
-session's first commit after later ones had been made here), ``--base`` takes a folder of the three
-modules instead: ``git show REV:common_kernels/mla/decode_sm90.py > DIR/...``, made here.
+session's first commit after later ones had been made here), ``--base`` takes a folder of the two
+modules instead: ``git show REV:common_kernels/mla/decode_sm90_seesaw.py > DIR/...``, made here.
 """
 
 import argparse
@@ -36,13 +36,11 @@ from pathlib import Path
 
 import torch
 
-from common_kernels.mla import (decode_sm90, decode_sm90_narrow, decode_sm90_seesaw, mla_decode, plan_decode,
-                                sm90_kernels_apply)
+from common_kernels.mla import decode_sm90_narrow, decode_sm90_seesaw, mla_decode, plan_decode, sm90_kernels_apply
 
 REPO = Path(__file__).resolve().parents[1]
-MODULES = {"decode_sm90": ("mla_decode_split_kernel_sm90", decode_sm90),
-           "decode_sm90_narrow": ("mla_decode_split_kernel_sm90_narrow", decode_sm90_narrow),
-           "decode_sm90_seesaw": ("mla_decode_split_kernel_sm90_seesaw", decode_sm90_seesaw)}
+MODULES = {"decode_sm90_seesaw": ("mla_decode_split_kernel_sm90_seesaw", decode_sm90_seesaw),
+           "decode_sm90_narrow": ("mla_decode_split_kernel_sm90_narrow", decode_sm90_narrow)}
 OURS = {name: getattr(module, kernel) for name, (kernel, module) in MODULES.items()}
 
 
@@ -58,8 +56,8 @@ def revision_source(revision: str, name: str) -> str:
                                capture_output=True, text=True)
         if shown.returncode == 0:
             return shown.stdout
-    raise ValueError(f"--base {revision}: no {name}.py there; the A/B needs all of {sorted(MODULES)} "
-                     "(decode_sm90_seesaw.py exists from 2026-12-02 on)")
+    raise ValueError(f"--base {revision}: no {name}.py there; the A/B needs {sorted(MODULES)} as they are "
+                     "from 2026-12-02 on (the 64-row kernel decode_sm90_seesaw, helpers in sm90_common)")
 
 
 def load_revision(revision: str) -> dict[str, types.ModuleType]:
@@ -68,8 +66,6 @@ def load_revision(revision: str) -> dict[str, types.ModuleType]:
     loaded = {}
     for name in MODULES:
         source = revision_source(revision, name)
-        if name != "decode_sm90":  # their own import of the fp8 64-row module: the revision's too
-            source = source.replace("from .decode_sm90 import", "from .decode_sm90_at_base import")
         qualified = f"common_kernels.mla.{name}_at_base"
         path = REPO / "common_kernels" / "mla" / f"{name}_at_base.py"  # the name Gluon's errors show; not written
         spec = importlib.util.spec_from_loader(qualified, loader=None, origin=str(path))
@@ -77,7 +73,11 @@ def load_revision(revision: str) -> dict[str, types.ModuleType]:
         module.__package__ = "common_kernels.mla"
         sys.modules[qualified] = module
         linecache.cache[str(path)] = (len(source), None, source.splitlines(True), str(path))  # for jit's getsource
-        exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 (our own source at a revision)
+        try:
+            exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 (our own source at a revision)
+        except ImportError as error:  # a revision older than sm90_common
+            raise ValueError(f"--base {revision}: its {name}.py imports what the working tree no longer has "
+                             f"({error}); compare with a revision from 2026-12-02 on") from error
         loaded[name] = module
     return loaded
 
@@ -150,7 +150,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="HEAD", help="the git revision to compare with (default HEAD), or a folder "
-                        "holding its decode_sm90.py, decode_sm90_narrow.py and decode_sm90_seesaw.py")
+                        "holding its decode_sm90_seesaw.py and decode_sm90_narrow.py")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--q-len", type=int, nargs="+", default=[1, 2])

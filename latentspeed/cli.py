@@ -145,8 +145,8 @@ def _decode_kernel(gpu: dict) -> str:
     if not gpu["available"]:
         return "Triton (no GPU: the interpreter, with TRITON_INTERPRET=1)"
     if sm90_kernel_enabled(torch.device("cuda", 0)):
-        return ("Gluon sm_90 kernels over paged caches with 64-token pages (64-row groups: decode_sm90_seesaw "
-                "over bf16/fp16, decode_sm90 over fp8; decode_sm90_narrow for 16 and 32), Triton for the rest")
+        return ("Gluon sm_90 kernels over paged caches with 64-token pages (decode_sm90_seesaw for 64-row "
+                "groups, decode_sm90_narrow for 16 and 32), Triton for the rest")
     if gpu["capability"] == "9.0":
         return "Triton (LATENTSPEED_MLA_DECODE_SM90=0)"
     return f"Triton (the Gluon kernel needs sm_90; this GPU is sm_{gpu['capability'].replace('.', '')})"

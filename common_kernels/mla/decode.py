@@ -30,9 +30,9 @@ reference models it with ``fp8_queries=True``), and ``P V`` stays in fp16.
 
 On sm_90, plans made for it (``plan_decode(..., sm90=True)``, see ``sm90_kernels_apply``) run
 launches over a paged cache on Gluon kernels instead (same contract and partials, faster
-layouts): ``decode_sm90_seesaw`` for 64-row groups over a bf16/fp16 cache, ``decode_sm90`` for
-64-row groups over an fp8 cache, ``decode_sm90_narrow`` for 16- and 32-row groups, whose fp8 path
-also rounds the queries to E4M3. Everything else runs the Triton kernel below.
+layouts): ``decode_sm90_seesaw`` for 64-row groups, ``decode_sm90_narrow`` for 16- and 32-row
+groups; over fp8 caches both round the queries to E4M3. Everything else runs the Triton kernel
+below.
 
 Extends over an fp8 cache can pass the new tokens' own latent rows (``fresh_kv``): the cached
 prefix is then one launch (every query sees all of it) and the new tokens' causal block a
@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from ..fp8_format import FP8_DTYPES, round_to_fp8_grid
-from . import decode_sm90, decode_sm90_narrow, decode_sm90_seesaw
+from . import decode_sm90_narrow, decode_sm90_seesaw
 from .cache import HALF_DTYPES
 from .softmax import finish_softmax, online_softmax_step
 
@@ -329,7 +329,7 @@ def programs_per_sm(block_rows: int, cache_dtype: torch.dtype | None, sm90: bool
     kernels take most of the shared memory: one, except two of the narrow kernel's fp8 launches."""
     fp8 = cache_dtype in FP8_DTYPES
     if sm90:
-        return decode_sm90_narrow.programs_per_sm(block_rows, fp8)  # 64-row groups (decode_sm90): one
+        return decode_sm90_narrow.programs_per_sm(block_rows, fp8)  # 64-row groups (decode_sm90_seesaw): one
     return MAX_PROGRAMS_PER_SM if block_rows <= 16 and not fp8 else 1
 
 
@@ -566,7 +566,7 @@ def sm90_kernel_enabled(device: torch.device) -> bool:
 def sm90_kernel_for(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, d_latent: int,
                     d_rope: int):
     """The module of the Gluon kernel for sm_90 that takes a launch of this shape, or None."""
-    for module in (decode_sm90_seesaw, decode_sm90, decode_sm90_narrow):
+    for module in (decode_sm90_seesaw, decode_sm90_narrow):
         if module.fits(block_rows, keys_dtype, paged, page_size, d_latent, d_rope):
             return module
     return None
@@ -593,9 +593,6 @@ def _launch_split(q_nope, q_pe, keys, block_table, seq_lens, kv_scale, tree_mask
     if module is decode_sm90_seesaw:
         kernel, block_n = decode_sm90_seesaw.mla_decode_split_kernel_sm90_seesaw, decode_sm90_seesaw.BLOCK_N
         options = dict(num_warps=decode_sm90_seesaw.NUM_WARPS, maxnreg=decode_sm90_seesaw.MAXNREG)
-    elif module is decode_sm90:
-        kernel, block_n = decode_sm90.mla_decode_split_kernel_sm90, decode_sm90.BLOCK_N
-        options = dict(NUM_BUFS=decode_sm90.NUM_BUFS, num_warps=decode_sm90.NUM_WARPS)
     elif module is decode_sm90_narrow:
         kernel, block_n = decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow, decode_sm90_narrow.BLOCK_N
         options = dict(NUM_BUFS=decode_sm90_narrow.NUM_BUFS, num_warps=decode_sm90_narrow.NUM_WARPS)

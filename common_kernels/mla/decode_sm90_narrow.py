@@ -6,7 +6,7 @@ rows, ``D_latent = 512``, ``D_rope = 64``, a paged cache (bf16/fp16, or fp8 with
 ``DecodePlan.fp8_queries``; no dense keys). ``decode.mla_decode`` sends those launches here on an
 sm_90 GPU when the plan was made for it (``plan_decode(..., sm90=True)``).
 
-Why: wgmma's M is 64, so the 64-row kernel of ``decode_sm90`` run on 16 rows computes 48 rows of
+Why: wgmma's M is 64, so a 64-row kernel (``decode_sm90_seesaw``) run on 16 rows computes 48 rows of
 padding, and at 16 heads it is bound by that compute, not by the cache read. Here the keys are
 wgmma's M and the query rows its N (one warpgroup, 4 warps):
 
@@ -23,14 +23,14 @@ wgmma's M and the query rows its N (one warpgroup, 4 warps):
   c + 2 is issued): with four, the accumulators and operands outgrow the registers and ptxas
   serializes every wgmma (C7511); two were 1.18-1.22x faster on the H200 (2026-12-01, ninth
   session);
-- cache tiles: ``cp.async`` per row into a ring of ``NUM_BUFS`` buffers, as in ``decode_sm90``.
+- cache tiles: ``cp.async`` per row into a ring of ``NUM_BUFS`` buffers (``sm90_common``).
 
 Shared memory at ``BLOCK_N = 64``: bf16 queries 18 KiB (32 rows: 36), two tiles 144 KiB, one
 program per multiprocessor; fp8 queries 9 KiB (32 rows: 18), two tiles 72 KiB, two programs per
 multiprocessor (``PROGRAMS_PER_SM_FP8``), which hide each other's latencies: measured on the H200
 (``benchmarks/notes.md``, 2026-12-01, seventh session) 1.25-1.33x faster than one program with the
 widening buffer at one query token. (64-row groups with two warpgroups of 32 rows here were
-1.08-1.15x slower than ``decode_sm90`` in bf16 and 1.25-1.28x in fp8 on the H200:
+1.08-1.15x slower than the 64-row kernel of the time in bf16 and 1.25-1.28x in fp8 on the H200:
 ``benchmarks/results/mla_decode-sm90-narrow64-2026-12-02.md``.)
 """
 
@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..fp8_format import FP8_DTYPES
-from .decode_sm90 import D_LATENT, D_ROPE, V_CHUNK, _advance_ring, _load_queries, _start_ring
+from .sm90_common import D_LATENT, D_ROPE, V_CHUNK, _advance_ring, _load_queries, _start_ring
 
 BLOCK_ROWS = (16, 32)
 BLOCK_N = 64

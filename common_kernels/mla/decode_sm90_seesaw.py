@@ -1,14 +1,16 @@
-"""The MLA decode split kernel for Hopper (sm_90), in Gluon: 64-row groups over a 16-bit paged
-cache, with the two warpgroups in different phases (the schedule FlashMLA calls "seesaw").
+"""The MLA decode split kernel for Hopper (sm_90), in Gluon: 64-row groups, with the two
+warpgroups in different phases (the schedule FlashMLA calls "seesaw").
 
 Same contract, arguments and partial outputs as ``decode._mla_decode_split_kernel`` (the module
-docstring of ``decode`` has the formula), for the launches it takes: ``BLOCK_R = 64`` rows, a bf16 or
-fp16 paged cache with pages a multiple of 64 tokens, ``D_latent = 512``, ``D_rope = 64``, no dense
-keys. ``decode.mla_decode`` sends those launches here on an sm_90 GPU with ``num_warps=NUM_WARPS``
-and ``maxnreg=MAXNREG`` (``decode_sm90`` takes the fp8 caches' 64-row groups).
+docstring of ``decode`` has the formula), for the launches it takes: ``BLOCK_R = 64`` rows, a
+paged cache with pages a multiple of 64 tokens (bf16/fp16, or fp8 with E4M3 queries as
+``DecodePlan.fp8_queries`` sets for 64-row groups; no dense keys), ``D_latent = 512``,
+``D_rope = 64``. ``decode.mla_decode`` sends those launches here on an sm_90 GPU with
+``num_warps=NUM_WARPS`` and ``maxnreg=MAXNREG``, and keeps the Triton kernel for the rest, for the
+interpreter and as the fallback (``LATENTSPEED_MLA_DECODE_SM90=0``).
 
-Why a second schedule: in ``decode_sm90`` both warpgroups work on every phase of a tile (scores,
-softmax, ``P V``) together, so the tensor cores idle while they both run the softmax. Here
+Why this schedule: with both warpgroups on every phase of a tile together (scores, softmax,
+``P V``; the kernel this one replaced), the tensor cores idle while both run the softmax. Here
 ``gl.warp_specialize`` gives each warpgroup its own instruction stream (warpgroup 0 is the default
 partition, warpgroup 1 a 4-warp worker), and the tiles go in pairs: even tile ``b`` in buffer 0,
 odd tile ``b + 1`` in buffer 1.
@@ -32,14 +34,23 @@ odd tile ``b + 1`` in buffer 1.
   arrivals). Rows past the split's end are zero-filled; a pair past the last tile computes on
   those zeros, fully masked.
 - A tile below the split's end and below every row's first invisible key skips the mask.
+- fp8 caches: the scores are one fp8 wgmma over E4M3 queries (rounded as the Triton kernel rounds
+  them, ``sm90_common._load_queries``) and the fp8 keys as they are in shared memory, scaled back
+  per row. fp8 wgmma reads only K-major operands, so each warpgroup widens its 256 columns of a
+  tile's latent part to fp16 (exact) into a buffer of its own for ``P V`` (``P`` in fp16):
+  warpgroup 0 one buffer, used twice a pair; warpgroup 1 two, the second widened while its first
+  ``P V`` runs.
 
-Shared memory: queries 72 KiB, two 64-token tiles 144 KiB, ``P0`` 8 KiB: 225.5 KiB with the row
-vectors and barriers. ``P1`` reuses the queries' RoPE part, which each warpgroup first loads into
-registers (wgmma's A operand from registers). ptxas for sm_90a: 240 registers, no spills
-(``python -m benchmarks.hopper_compile decode --heads 128 --cache bf16``).
+Shared memory: bf16/fp16 caches, queries 72 KiB, two 64-token tiles 144 KiB, ``P0`` 8 KiB: 225.5
+KiB with the row vectors and barriers (``P1`` reuses the queries' RoPE part, which each warpgroup
+first loads into registers, wgmma's A operand from registers). fp8 caches: queries 36 KiB, tiles
+72 KiB, ``P0`` and ``P1`` 16 KiB, three widened halves 96 KiB: 221.8 KiB. ptxas for sm_90a: 240
+registers, no spills over 16-bit caches, 24 bytes of spill stores over fp8
+(``python -m benchmarks.hopper_compile decode --heads 128``).
 
-Measured on the H200 (``benchmarks/results/mla_decode-sm90-seesaw-2026-12-02.md``): 1.07-1.12x
-faster than ``decode_sm90``'s 16-bit path; 1.09-1.24x FLASHMLA's time at batch 128, 128 heads.
+Measured on the H200 (``benchmarks/results/mla_decode-sm90-seesaw-2026-12-02.md``): over bf16 caches
+1.07-1.12x faster than the kernel it replaced and 1.09-1.25x FLASHMLA's time at batch 128,
+128 heads; over fp8 caches 1.07-1.13x faster than the kernel it replaced.
 """
 
 import torch
@@ -53,8 +64,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ..fp8_format import FP8_DTYPES
 from .cache import HALF_DTYPES
-from .decode_sm90 import D_LATENT, D_ROPE, _page_of
+from .sm90_common import D_LATENT, D_ROPE, _load_queries, _page_of
 
 BLOCK_R = 64
 BLOCK_N = 64
@@ -78,8 +90,8 @@ SYNC_END = gl.constexpr("bar.sync 12, 256; mov.u32 $0, 0;")
 
 def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, d_latent: int, d_rope: int) -> bool:
     """Whether this kernel takes a launch of that shape (on an sm_90 GPU)."""
-    return (block_rows == BLOCK_R and keys_dtype in HALF_DTYPES and paged and page_size % BLOCK_N == 0
-            and (d_latent, d_rope) == (D_LATENT, D_ROPE))
+    return (block_rows == BLOCK_R and keys_dtype in (*HALF_DTYPES, *FP8_DTYPES) and paged
+            and page_size % BLOCK_N == 0 and (d_latent, d_rope) == (D_LATENT, D_ROPE))
 
 
 @gluon.jit
@@ -101,7 +113,10 @@ def _copy_part(kc, kp, bar, n0, end, cache_ptr, page, stride_cache_block, stride
     """Warpgroup ``WG``'s part of cache tokens ``[n0, n0 + BLOCK_N)`` below ``end`` into one buffer
     (wg0: latent columns 0-255; wg1: 256-511 and the RoPE part); each thread arrives on ``bar``
     when its copies have landed. Rows past ``end`` are zero-filled, nothing read for them."""
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    if kc.dtype.primitive_bitwidth == 8:
+        ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
+    else:
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     offs_tok = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
     rows = cache_ptr + page * stride_cache_block + (offs_tok % PAGE_SIZE)[:, None].to(gl.int64) * stride_cache_tok
     in_range = (offs_tok < end)[:, None]
@@ -114,6 +129,18 @@ def _copy_part(kc, kp, bar, n0, end, cache_ptr, page, stride_cache_block, stride
         offs_p = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld))
         async_copy.async_copy_global_to_shared(kp, rows + D_LATENT + offs_p[None, :], mask=in_range)
     async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def _widen(src, dst):
+    """An fp8 ``[64, 256]`` latent half from a tile into ``dst`` in fp16 (exact), 64 columns a step;
+    the partition's stores are visible to its wgmma afterwards."""
+    ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
+    for c in gl.static_range(HALF // 64):
+        v = src.slice(c * 64, 64, dim=1).load(ld)
+        dst.slice(c * 64, 64, dim=1).store(v.to(dst.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
 
 
 @gluon.jit
@@ -161,18 +188,20 @@ def _mask(s, n0, end, draft_start, row_s, mask_bits, NUM_HEADS: gl.constexpr, BL
 
 
 @gluon.jit
-def _warpgroup(state, WG: gl.constexpr, NUM_HEADS: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr,
-               PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_OUT: gl.constexpr, TREE_MASK: gl.constexpr,
-               PREFIX_ONLY: gl.constexpr):
+def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, NUM_HEADS: gl.constexpr, D_LATENT: gl.constexpr,
+               D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_OUT: gl.constexpr,
+               TREE_MASK: gl.constexpr, PREFIX_ONLY: gl.constexpr):
     """Warpgroup ``WG``'s side of the schedule (module docstring); ``state`` is the kernel's tuple
     of shared buffers, pointers and scalars (a tuple, so that the constexprs passed beside it stay
     constexprs through ``warp_specialize``)."""
     (qn_ring, qp_smem, kc_ring, kp_ring, p0_smem, m_smem, scale_smem, l_smem, full_bars, cache_ptr, block_table_ptr,
      tree_mask_ptr, out_ptr, lse_ptr, qk_scale_log2, pid_g, pid_s, pid_b, q_start, q_len, draft_start, start, end,
      stride_cache_block, stride_cache_tok, stride_bt_b, stride_out_t, stride_out_h, stride_out_s, stride_lse_t,
-     stride_lse_h) = state
-    dtype: gl.constexpr = qn_ring.dtype
-    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+     stride_lse_h, fp8_state) = state
+    (p1_buf, sscale_smem, v_bufs, kv_scale_ptr) = fp8_state
+    dtype: gl.constexpr = p0_smem.dtype  # P V's operands: the cache's 16-bit type, fp16 over fp8 caches
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_N, 32 if IS_FP8 else 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
     rows_s: gl.constexpr = gl.SliceLayout(1, mma_s)
     rows_o: gl.constexpr = gl.SliceLayout(1, mma_o)
@@ -191,9 +220,16 @@ def _warpgroup(state, WG: gl.constexpr, NUM_HEADS: gl.constexpr, D_LATENT: gl.co
     kp1 = kp_ring.index(1)
     bar0 = full_bars.index(0)
     bar1 = full_bars.index(1)
-    # Q's RoPE part into registers: its shared memory becomes P1 once both warpgroups hold it.
-    q_pe = qp_smem.load(gl.DotOperandLayout(operand_index=0, parent=mma_s, k_width=2))
-    p1_smem = qp_smem
+    if IS_FP8:  # scores scaled per row (query scale, kv scale); V widened into fp16 buffers
+        q_pe = qp_smem
+        p1_smem = p1_buf
+        score_scale = sscale_smem.load(rows_s)[:, None]
+        kv_scale = gl.load(kv_scale_ptr)
+    else:  # Q's RoPE part into registers: its shared memory becomes P1 once both warpgroups hold it.
+        q_pe = qp_smem.load(gl.DotOperandLayout(operand_index=0, parent=mma_s, k_width=2))
+        p1_smem = qp_smem
+        score_scale = qk_scale_log2
+        kv_scale = 1.0
 
     _copy_part(kc0, kp0, bar0, start, end, cache_ptr, _page_of(bt_row, start, end, PAGE_SIZE), stride_cache_block,
                stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
@@ -201,12 +237,8 @@ def _warpgroup(state, WG: gl.constexpr, NUM_HEADS: gl.constexpr, D_LATENT: gl.co
                stride_cache_block, stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
     if WG == 0:
         s = _scores(qn_smem, q_pe, kc0, kp0, bar0, 0, BLOCK_N, mma_s)
-        v_own = kc0.slice(0, HALF, dim=1)
-        v_other = kc1.slice(0, HALF, dim=1)
     else:
         s = _scores(qn_smem, q_pe, kc1, kp1, bar1, 0, BLOCK_N, mma_s)
-        v_own = kc1.slice(HALF, HALF, dim=1)
-        v_other = kc0.slice(HALF, HALF, dim=1)
     s, _, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, kc0, kc1, kp0, kp1])
 
     acc = gl.zeros([64, HALF], gl.float32, layout=mma_o)
@@ -231,7 +263,7 @@ def _warpgroup(state, WG: gl.constexpr, NUM_HEADS: gl.constexpr, D_LATENT: gl.co
         phase = (j + 1) & 1
         if WG == 0:
             m_old = m_smem.load(rows_s)
-            s = _masked(s * qk_scale_log2, b, start, end, draft_start, row_s, mask_bits, NUM_HEADS, BLOCK_N,
+            s = _masked(s * score_scale, b, start, end, draft_start, row_s, mask_bits, NUM_HEADS, BLOCK_N,
                         TREE_MASK, PREFIX_ONLY, mma_s)
             m_new = gl.maximum(m_old, gl.max(s, axis=1))
             m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -242,6 +274,9 @@ def _warpgroup(state, WG: gl.constexpr, NUM_HEADS: gl.constexpr, D_LATENT: gl.co
             scale_smem[0].store(scale0)
             _named_barrier(ARRIVE_SCALE0)
             p = p.to(dtype)  # kept as the wgmma operand and, rescaled, for warpgroup 1
+            if IS_FP8:
+                _widen(v_own, v_bufs[0])
+                v_own = v_bufs[0]
             acc = acc * gl.convert_layout(scale0, rows_o)[:, None]
             acc = warpgroup_mma(gl.convert_layout(p, p_operand), v_own, acc, is_async=True)
             acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, v_own])
@@ -252,6 +287,9 @@ def _warpgroup(state, WG: gl.constexpr, NUM_HEADS: gl.constexpr, D_LATENT: gl.co
             _named_barrier(ARRIVE_P0)
             _copy_part(kc0, kp0, bar0, start + (b + 2) * BLOCK_N, end, cache_ptr, page_a, stride_cache_block,
                        stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
+            if IS_FP8:  # P0 V0_L is done: the buffer takes V1_L
+                _widen(v_other, v_bufs[0])
+                v_other = v_bufs[0]
             _named_barrier(SYNC_P0_ISSUED)  # P1 is in shared memory too
             l_i = l_i * scale1
             acc = acc * gl.convert_layout(scale1, rows_o)[:, None]
@@ -265,7 +303,7 @@ def _warpgroup(state, WG: gl.constexpr, NUM_HEADS: gl.constexpr, D_LATENT: gl.co
             _named_barrier(SYNC_SCALE0)
             m_old = m_smem.load(rows_s)
             scale0 = scale_smem[0].load(rows_s)
-            s = _masked(s * qk_scale_log2, b + 1, start, end, draft_start, row_s, mask_bits, NUM_HEADS, BLOCK_N,
+            s = _masked(s * score_scale, b + 1, start, end, draft_start, row_s, mask_bits, NUM_HEADS, BLOCK_N,
                         TREE_MASK, PREFIX_ONLY, mma_s)
             m_new = gl.maximum(m_old, gl.max(s, axis=1))
             m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -278,8 +316,14 @@ def _warpgroup(state, WG: gl.constexpr, NUM_HEADS: gl.constexpr, D_LATENT: gl.co
             p_half = p.to(dtype)
             p1_smem.store(p_half)
             fence_async_shared()
+            if IS_FP8:
+                _widen(v_own, v_bufs[1])
+                v_own = v_bufs[1]
             acc = acc * gl.convert_layout(scale0 * scale1, rows_o)[:, None]
             acc = warpgroup_mma(gl.convert_layout(p_half, p_operand), v_own, acc, is_async=True)
+            if IS_FP8:  # while P1 V1_R runs
+                _widen(v_other, v_bufs[2])
+                v_other = v_bufs[2]
             _named_barrier(SYNC_P0)
             acc = warpgroup_mma(p0_smem, v_other, acc, is_async=True)
             _named_barrier(ARRIVE_P0_ISSUED)
@@ -299,7 +343,7 @@ def _warpgroup(state, WG: gl.constexpr, NUM_HEADS: gl.constexpr, D_LATENT: gl.co
     m_i = m_smem.load(rows_s)
     has_keys = l_i > 0.0
     safe_l = gl.where(has_keys, l_i, 1.0)
-    out = acc * gl.convert_layout(1.0 / safe_l, rows_o)[:, None]
+    out = acc * gl.convert_layout(kv_scale / safe_l, rows_o)[:, None]
 
     row_o = pid_g * 64 + gl.arange(0, 64, layout=rows_o)
     out_rows = (q_start + row_o // NUM_HEADS)[:, None] * stride_out_t + (row_o % NUM_HEADS)[:, None] * stride_out_h
@@ -318,15 +362,19 @@ def _warpgroup(state, WG: gl.constexpr, NUM_HEADS: gl.constexpr, D_LATENT: gl.co
 
 
 @gluon.jit
-def _warpgroup0(state, NUM_HEADS: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                BLOCK_N: gl.constexpr, DIRECT_OUT: gl.constexpr, TREE_MASK: gl.constexpr, PREFIX_ONLY: gl.constexpr):
-    _warpgroup(state, 0, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK, PREFIX_ONLY)
+def _warpgroup0(state, IS_FP8: gl.constexpr, NUM_HEADS: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr,
+                PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_OUT: gl.constexpr, TREE_MASK: gl.constexpr,
+                PREFIX_ONLY: gl.constexpr):
+    _warpgroup(state, 0, IS_FP8, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK,
+               PREFIX_ONLY)
 
 
 @gluon.jit
-def _warpgroup1(state, NUM_HEADS: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                BLOCK_N: gl.constexpr, DIRECT_OUT: gl.constexpr, TREE_MASK: gl.constexpr, PREFIX_ONLY: gl.constexpr):
-    _warpgroup(state, 1, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK, PREFIX_ONLY)
+def _warpgroup1(state, IS_FP8: gl.constexpr, NUM_HEADS: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr,
+                PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_OUT: gl.constexpr, TREE_MASK: gl.constexpr,
+                PREFIX_ONLY: gl.constexpr):
+    _warpgroup(state, 1, IS_FP8, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK,
+               PREFIX_ONLY)
 
 
 @gluon.jit
@@ -340,11 +388,13 @@ def mla_decode_split_kernel_sm90_seesaw(
     DIRECT_OUT: gl.constexpr, TREE_MASK: gl.constexpr, VARLEN: gl.constexpr, PREFIX_ONLY: gl.constexpr,
     KEYS_DENSE: gl.constexpr,
 ):
-    gl.static_assert(not IS_FP8 and not FP8_QUERIES and not KEYS_DENSE, "16-bit paged caches only")
+    gl.static_assert(IS_FP8 == FP8_QUERIES and not KEYS_DENSE, "paged caches; fp8 ones with fp8 queries")
     gl.static_assert(BLOCK_R == 64 and BLOCK_N == 64 and PAGE_SIZE % BLOCK_N == 0)
     gl.static_assert(D_LATENT == 2 * HALF and D_ROPE == 64)
     gl.static_assert(gl.num_warps() == _DEFAULT_WARPS, "warpgroup 0 is the default partition")
-    dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
+    key_ty: gl.constexpr = cache_ptr.dtype.element_ty
+    qk_ty: gl.constexpr = gl.float8e4nv if IS_FP8 else q_nope_ptr.dtype.element_ty
+    dtype: gl.constexpr = gl.float16 if IS_FP8 else q_nope_ptr.dtype.element_ty  # P V operands
 
     pid_g = gl.program_id(0)
     pid_s = gl.program_id(1)
@@ -365,23 +415,17 @@ def mla_decode_split_kernel_sm90_seesaw(
     end = gl.minimum(start + split_len, num_keys)
 
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    offs_r = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ld))
-    mask_r = (offs_r < q_len * NUM_HEADS)[:, None]
-    q_rows = (q_start + offs_r // NUM_HEADS)[:, None]
-    heads = (offs_r % NUM_HEADS)[:, None]
-    offs_c = gl.arange(0, D_LATENT, layout=gl.SliceLayout(0, ld))
-    offs_p = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld))
-    q_nope = gl.load(q_nope_ptr + q_rows * stride_qn_t + heads * stride_qn_h + offs_c[None, :], mask=mask_r, other=0.0)
-    q_pe = gl.load(q_pe_ptr + q_rows * stride_qp_t + heads * stride_qp_h + offs_p[None, :], mask=mask_r, other=0.0)
-    qn_ring = gl.allocate_shared_memory(dtype, [1, BLOCK_R, D_LATENT],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, D_LATENT], dtype))
+    q_nope, q_pe, q_scale = _load_queries(q_nope_ptr, q_pe_ptr, q_start, q_len, pid_g, stride_qn_t, stride_qn_h,
+                                          stride_qp_t, stride_qp_h, NUM_HEADS, D_LATENT, D_ROPE, BLOCK_R, IS_FP8, ld)
+    qn_ring = gl.allocate_shared_memory(qk_ty, [1, BLOCK_R, D_LATENT],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, D_LATENT], qk_ty))
     qn_ring.index(0).store(q_nope)
-    qp_smem = gl.allocate_shared_memory(dtype, [BLOCK_R, D_ROPE],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, D_ROPE], dtype), q_pe)
-    kc_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_LATENT],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], dtype))
-    kp_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_ROPE],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], dtype))
+    qp_smem = gl.allocate_shared_memory(qk_ty, [BLOCK_R, D_ROPE],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_R, D_ROPE], qk_ty), q_pe)
+    kc_ring = gl.allocate_shared_memory(key_ty, [2, BLOCK_N, D_LATENT],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], key_ty))
+    kp_ring = gl.allocate_shared_memory(key_ty, [2, BLOCK_N, D_ROPE],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], key_ty))
     p0_smem = gl.allocate_shared_memory(dtype, [BLOCK_R, BLOCK_N],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], dtype))
     vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -392,6 +436,19 @@ def mla_decode_split_kernel_sm90_seesaw(
                   gl.allocate_shared_memory(gl.float32, [BLOCK_R], vec))
     l_smem = (gl.allocate_shared_memory(gl.float32, [BLOCK_R], vec),
               gl.allocate_shared_memory(gl.float32, [BLOCK_R], vec))
+    if IS_FP8:
+        kv_scale = gl.load(kv_scale_ptr)
+        sscale_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_R], vec, qk_scale_log2 * kv_scale / q_scale)
+        p1_buf = gl.allocate_shared_memory(dtype, [BLOCK_R, BLOCK_N],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], dtype))
+        v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], dtype)
+        v_bufs = (gl.allocate_shared_memory(dtype, [BLOCK_N, HALF], v_layout),
+                  gl.allocate_shared_memory(dtype, [BLOCK_N, HALF], v_layout),
+                  gl.allocate_shared_memory(dtype, [BLOCK_N, HALF], v_layout))
+    else:
+        sscale_smem = m_smem
+        p1_buf = p0_smem
+        v_bufs = (p0_smem, p0_smem, p0_smem)
     full_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(full_bars.index(0), count=256)
     mbarrier.init(full_bars.index(1), count=256)
@@ -400,8 +457,11 @@ def mla_decode_split_kernel_sm90_seesaw(
     state = (qn_ring, qp_smem, kc_ring, kp_ring, p0_smem, m_smem, scale_smem, l_smem, full_bars,
              cache_ptr, block_table_ptr, tree_mask_ptr, out_ptr, lse_ptr, qk_scale_log2,
              pid_g, pid_s, pid_b, q_start, q_len, draft_start, start, end, stride_cache_block, stride_cache_tok,
-             stride_bt_b, stride_out_t, stride_out_h, stride_out_s, stride_lse_t, stride_lse_h)
+             stride_bt_b, stride_out_t, stride_out_h, stride_out_s, stride_lse_t, stride_lse_h,
+             (p1_buf, sscale_smem, v_bufs, kv_scale_ptr))
     gl.warp_specialize([
-        (_warpgroup0, (state, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK, PREFIX_ONLY)),
-        (_warpgroup1, (state, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK, PREFIX_ONLY)),
+        (_warpgroup0,
+         (state, IS_FP8, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK, PREFIX_ONLY)),
+        (_warpgroup1,
+         (state, IS_FP8, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK, PREFIX_ONLY)),
     ], [4], [_WORKER_REGS])

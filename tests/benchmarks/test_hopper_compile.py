@@ -39,18 +39,16 @@ def test_every_kernel_compiles_for_hopper():
     serialized = [label for label, report in reports.items() if report["wgmma_serialized"]]
     assert not serialized, f"ptxas serializes the wgmma of {serialized} (C7511: short of registers; C7514/C7515: " \
                            "other instructions touch an in-flight accumulator)"
-    # 64-row groups over a paged fp8 cache compile decode_sm90: scores split by keys between the
-    # two warpgroups ([4, 2] warps, 32-key wgmma), no spills
-    for label in ("decode, 128 heads, e4m3", "decode, 128 heads, e4m3, extend prefix"):
-        assert reports[label]["spill_bytes"] == 0, label
-        assert any(layout.startswith("warpsPerCTA = [4, 2], instrShape = [16, 32,")
-                   for layout in reports[label]["mma_layouts"]), label
-    # over a 16-bit cache, decode_sm90_seesaw: each warpgroup its own partition ([4, 1] warps) with a
-    # whole 64-key score tile and 256 output columns, under the launch's register cap, no spills
-    seesaw = reports["decode, 128 heads, bf16"]
-    assert seesaw["spill_bytes"] == 0 and seesaw["registers"] <= 240
-    assert set(seesaw["mma_layouts"]) == {"warpsPerCTA = [4, 1], instrShape = [16, 64, 16]",
-                                          "warpsPerCTA = [4, 1], instrShape = [16, 256, 16]"}
+    # 64-row groups over a paged cache compile decode_sm90_seesaw: each warpgroup its own partition
+    # ([4, 1] warps) with a whole 64-key score tile and 256 output columns, under the launch's
+    # register cap; no spills over a 16-bit cache, a few words over fp8 (24 bytes stored and 20
+    # loaded a thread on 2026-12-02)
+    for label in ("decode, 128 heads, bf16", "decode, 128 heads, e4m3", "decode, 128 heads, e4m3, extend prefix"):
+        fp8 = "e4m3" in label
+        report = reports[label]
+        assert report["registers"] <= 240 and report["spill_bytes"] <= (48 if fp8 else 0), label
+        assert set(report["mma_layouts"]) == {f"warpsPerCTA = [4, 1], instrShape = [16, 64, {32 if fp8 else 16}]",
+                                              "warpsPerCTA = [4, 1], instrShape = [16, 256, 16]"}, label
 
 
 def test_gemm_register_cap_reaches_ptxas():

@@ -7,22 +7,23 @@ import pytest
 import torch
 
 from benchmarks import mla_decode_ab
-from common_kernels.mla import decode_sm90, decode_sm90_narrow, plan_decode
+from common_kernels.mla import decode_sm90_narrow, decode_sm90_seesaw, plan_decode
 
 
 def kernels_in_use():
-    return decode_sm90.mla_decode_split_kernel_sm90, decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow
+    return (decode_sm90_seesaw.mla_decode_split_kernel_sm90_seesaw,
+            decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow)
 
 
 def test_a_revisions_kernels_load_beside_ours_and_swap():
-    source = subprocess.run(["git", "show", "HEAD:common_kernels/mla/decode_sm90_narrow.py"], cwd=mla_decode_ab.REPO,
+    source = subprocess.run(["git", "show", "HEAD:common_kernels/mla/decode_sm90_seesaw.py"], cwd=mla_decode_ab.REPO,
                             check=True, capture_output=True, text=True).stdout
     ours = kernels_in_use()
     base = mla_decode_ab.load_revision("HEAD")
-    assert base["decode_sm90_narrow"].V_CHUNK is base["decode_sm90"].V_CHUNK  # the revision's own 64-row module
-    theirs = (base["decode_sm90"].mla_decode_split_kernel_sm90,
+    theirs = (base["decode_sm90_seesaw"].mla_decode_split_kernel_sm90_seesaw,
               base["decode_sm90_narrow"].mla_decode_split_kernel_sm90_narrow)
-    assert theirs[1] is not ours[1] and theirs[1].src in source  # the revision's code, its source readable
+    assert theirs[0] is not ours[0] and theirs[1] is not ours[1]
+    assert theirs[0].src in source  # the revision's code, its source readable
     mla_decode_ab.use(base)
     try:
         assert kernels_in_use() == theirs
@@ -37,8 +38,17 @@ def test_a_folder_of_copies_stands_for_a_revision(tmp_path):
                                 check=True, capture_output=True, text=True).stdout
         (tmp_path / f"{name}.py").write_text(source.replace('"""', '"""Copied. ', 1))
     base = mla_decode_ab.load_revision(str(tmp_path))
-    assert base["decode_sm90_narrow"].__doc__.startswith("Copied. ")  # read from the folder, not from git
-    assert base["decode_sm90_narrow"].V_CHUNK is base["decode_sm90"].V_CHUNK
+    for name in mla_decode_ab.MODULES:  # read from the folder, not from git
+        assert base[name].__doc__.startswith("Copied. "), name
+
+
+def test_an_older_revision_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="no decode_sm90_seesaw.py"):
+        mla_decode_ab.load_revision(str(tmp_path))
+    for name in mla_decode_ab.MODULES:  # as before 2026-12-02: the narrow kernel imported decode_sm90
+        (tmp_path / f"{name}.py").write_text("from .decode_sm90 import D_LATENT\n")
+    with pytest.raises(ValueError, match="imports what the working tree no longer has"):
+        mla_decode_ab.load_revision(str(tmp_path))
 
 
 def test_ours_set_changes_constants_for_one_side_only():
@@ -58,7 +68,8 @@ def test_ours_set_changes_constants_for_one_side_only():
     assert splits() == two_programs
 
 
-@pytest.mark.parametrize("item", ["decode_sm90_narrow.NO_SUCH=1", "decode.NUM_BUFS=2", "decode_sm90.NUM_BUFS=two"])
+@pytest.mark.parametrize("item", ["decode_sm90_narrow.NO_SUCH=1", "decode.NUM_BUFS=2",
+                                  "decode_sm90_seesaw.MAXNREG=many"])
 def test_ours_set_refuses_what_it_cannot_set(item):
     with pytest.raises(ValueError, match="MODULE.NAME=INT"):
         mla_decode_ab.parse_settings([item])

@@ -282,16 +282,14 @@ def test_plan_bounds_workspace():
 def test_sm90_kernel_routing():
     """Which Gluon kernel an sm_90 launch goes to (the choice is made on any machine; the kernels
     run only on the GPU, ``tests/gpu/test_decode_sm90.py``)."""
-    from common_kernels.mla import decode_sm90, decode_sm90_narrow, decode_sm90_seesaw
+    from common_kernels.mla import decode_sm90_narrow, decode_sm90_seesaw
     from common_kernels.mla.decode import sm90_kernel_for
 
     for page in (64, 128):
-        for dtype in (torch.bfloat16, torch.float16):
+        for dtype in (torch.bfloat16, torch.float16, *FP8_CACHE.values()):
             assert sm90_kernel_for(64, dtype, True, page, 512, 64) is decode_sm90_seesaw
-        for dtype in FP8_CACHE.values():
-            assert sm90_kernel_for(64, dtype, True, page, 512, 64) is decode_sm90
-        for rows in (16, 32):
-            assert sm90_kernel_for(rows, torch.bfloat16, True, page, 512, 64) is decode_sm90_narrow
+            for rows in (16, 32):
+                assert sm90_kernel_for(rows, dtype, True, page, 512, 64) is decode_sm90_narrow
     for shape in ((64, torch.bfloat16, False, 0, 512, 64), (64, torch.bfloat16, True, 32, 512, 64),
                   (64, torch.bfloat16, True, 64, 256, 64), (64, torch.float32, True, 64, 512, 64)):
         assert sm90_kernel_for(*shape) is None, shape

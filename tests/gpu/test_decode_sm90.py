@@ -1,6 +1,5 @@
 """The Gluon decode kernels for Hopper (``common_kernels/mla/decode_sm90_seesaw.py`` for 64-row
-groups over 16-bit caches, ``decode_sm90.py`` over fp8 ones, ``decode_sm90_narrow.py`` for 16 and
-32) on an sm_90 GPU, against the fp32 reference and against the Triton kernel they replace there. They cannot run in the interpreter;
+groups, ``decode_sm90_narrow.py`` for 16 and 32) on an sm_90 GPU, against the fp32 reference and against the Triton kernel they replace there. They cannot run in the interpreter;
 ``benchmarks/hopper_compile.py`` compiles them on any machine.
 
     pytest tests/gpu/test_decode_sm90.py -q          (skipped without an sm_90 GPU)
@@ -12,8 +11,7 @@ run these kernels too; here are the launches they leave out.
 import pytest
 import torch
 
-from common_kernels.mla import (decode, decode_sm90, decode_sm90_narrow, decode_sm90_seesaw, mla_decode, plan_decode,
-                                sm90_kernels_apply)
+from common_kernels.mla import decode, decode_sm90_narrow, decode_sm90_seesaw, mla_decode, plan_decode, sm90_kernels_apply
 from common_kernels.mla.reference import mla_decode_ref
 from tests.common_kernels.test_mla import make_paged_cache
 from tests.helpers import assert_close
@@ -39,13 +37,12 @@ def _decode(monkeypatch, sm90, *args, **kwargs):
 
 
 def test_dispatch(monkeypatch):
-    """Paged bf16/fp16/fp8 caches with 64-token pages: 64-row groups go to ``decode_sm90_seesaw``
-    (16-bit) or ``decode_sm90`` (fp8), 16 and 32 to ``decode_sm90_narrow``; dense keys, other pages
-    and other widths stay Triton, and so does everything with LATENTSPEED_MLA_DECODE_SM90=0."""
+    """Paged bf16/fp16/fp8 caches with 64-token pages: 64-row groups go to ``decode_sm90_seesaw``,
+    16 and 32 to ``decode_sm90_narrow``; dense keys, other pages and other widths stay Triton, and
+    so does everything with LATENTSPEED_MLA_DECODE_SM90=0."""
     for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
-        wide = decode_sm90 if dtype.itemsize == 1 else decode_sm90_seesaw
-        assert decode.sm90_kernel_for(64, dtype, True, 64, 512, 64) is wide
-        assert decode.sm90_kernel_for(64, dtype, True, 128, 512, 64) is wide
+        assert decode.sm90_kernel_for(64, dtype, True, 64, 512, 64) is decode_sm90_seesaw
+        assert decode.sm90_kernel_for(64, dtype, True, 128, 512, 64) is decode_sm90_seesaw
         assert decode.sm90_kernel_for(16, dtype, True, 128, 512, 64) is decode_sm90_narrow
         assert decode.sm90_kernel_for(32, dtype, True, 64, 512, 64) is decode_sm90_narrow
         assert sm90_kernels_apply(torch.device("cuda"), dtype, 64, 512, 64)

@@ -1,0 +1,91 @@
+"""What the Gluon decode kernels for sm_90 share: the latent and RoPE widths they take, the page
+lookup, the ``cp.async`` ring of cache tiles (``decode_sm90_narrow``) and the query load, with the
+fp8 caches' query rounding (both kernels).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared
+
+D_LATENT = 512
+D_ROPE = 64
+V_CHUNK = gl.constexpr(128)  # fp8 caches: latent columns widened per step (bounds the registers it takes)
+
+
+@gluon.jit
+def _page_of(bt_row, n0, end, PAGE_SIZE: gl.constexpr):
+    """The page holding token ``n0`` (clamped into ``[0, end)``, so always a valid block-table entry)."""
+    return gl.load(bt_row + gl.maximum(gl.minimum(n0, end - 1), 0) // PAGE_SIZE).to(gl.int64)
+
+
+@gluon.jit
+def _issue_tile(kc_ring, kp_ring, slot, n0, end, cache_ptr, page, stride_cache_block, stride_cache_tok,
+                PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr,
+                ld_layout: gl.constexpr):
+    """Start copying cache tokens ``[n0, n0 + BLOCK_N)`` below ``end``, from ``page``, into ring slot
+    ``slot`` (the rest of the slot is zero-filled, nothing read for it) as one commit group."""
+    offs_tok = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
+    offs_c = gl.arange(0, D_LATENT, layout=gl.SliceLayout(0, ld_layout))
+    offs_p = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_layout))
+    rows = cache_ptr + page * stride_cache_block + (offs_tok % PAGE_SIZE)[:, None].to(gl.int64) * stride_cache_tok
+    in_range = (offs_tok < end)[:, None]
+    async_copy.async_copy_global_to_shared(kc_ring.index(slot), rows + offs_c[None, :], mask=in_range)
+    async_copy.async_copy_global_to_shared(kp_ring.index(slot), rows + D_LATENT + offs_p[None, :], mask=in_range)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _start_ring(kc_ring, kp_ring, start, end, cache_ptr, bt_row, stride_cache_block, stride_cache_tok,
+                PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr,
+                NUM_BUFS: gl.constexpr, ld_layout: gl.constexpr):
+    """Issue the first ``NUM_BUFS - 1`` tiles of ``[start, end)``; return the page of the next one
+    (page ids are read one tile ahead of their copies, so no copy waits on a block-table load)."""
+    for t in gl.static_range(NUM_BUFS - 1):
+        _issue_tile(kc_ring, kp_ring, t, start + t * BLOCK_N, end, cache_ptr,
+                    _page_of(bt_row, start + t * BLOCK_N, end, PAGE_SIZE), stride_cache_block, stride_cache_tok,
+                    PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, ld_layout)
+    return _page_of(bt_row, start + (NUM_BUFS - 1) * BLOCK_N, end, PAGE_SIZE)
+
+
+@gluon.jit
+def _advance_ring(kc_ring, kp_ring, i, page, start, end, cache_ptr, bt_row, stride_cache_block, stride_cache_tok,
+                  PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr,
+                  NUM_BUFS: gl.constexpr, ld_layout: gl.constexpr):
+    """Before tile ``i``: wait until it has landed for every thread and every thread is done with
+    tile ``i - 1``, then refill that slot with tile ``i + NUM_BUFS - 1`` from ``page`` (past the
+    end: an empty group, so the count stays uniform). Returns the page of the tile after it."""
+    async_copy.wait_group(NUM_BUFS - 2)
+    fence_async_shared()
+    gl.thread_barrier()
+    page_next = _page_of(bt_row, start + (i + NUM_BUFS) * BLOCK_N, end, PAGE_SIZE)
+    _issue_tile(kc_ring, kp_ring, (i + NUM_BUFS - 1) % NUM_BUFS, start + (i + NUM_BUFS - 1) * BLOCK_N, end,
+                cache_ptr, page, stride_cache_block, stride_cache_tok, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, ld_layout)
+    return page_next
+
+
+@gluon.jit
+def _load_queries(q_nope_ptr, q_pe_ptr, q_start, q_len, pid_g, stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h,
+                  NUM_HEADS: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr, BLOCK_R: gl.constexpr,
+                  IS_FP8: gl.constexpr, ld_layout: gl.constexpr):
+    """The group's query rows (row r of the request is token r // H, head r % H, the Triton
+    kernel's numbering) as ``Q K^T`` reads them, and the power of two per row they were scaled by.
+
+    fp8 caches: the Triton kernel's query rounding, a power of two per row bringing max|row| into
+    [128, 256) (exact), then E4M3 round-to-nearest-even; scores are scaled back by kv_scale / q_scale.
+    """
+    offs_r = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, ld_layout))
+    mask_r = (offs_r < q_len * NUM_HEADS)[:, None]
+    q_rows = (q_start + offs_r // NUM_HEADS)[:, None]
+    heads = (offs_r % NUM_HEADS)[:, None]
+    offs_c = gl.arange(0, D_LATENT, layout=gl.SliceLayout(0, ld_layout))
+    offs_p = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ld_layout))
+    q_nope = gl.load(q_nope_ptr + q_rows * stride_qn_t + heads * stride_qn_h + offs_c[None, :], mask=mask_r, other=0.0)
+    q_pe = gl.load(q_pe_ptr + q_rows * stride_qp_t + heads * stride_qp_h + offs_p[None, :], mask=mask_r, other=0.0)
+    q_scale = gl.full([BLOCK_R], 1.0, gl.float32, layout=gl.SliceLayout(1, ld_layout))
+    if IS_FP8:
+        q_max = gl.maximum(gl.max(gl.abs(q_nope.to(gl.float32)), axis=1), gl.max(gl.abs(q_pe.to(gl.float32)), axis=1))
+        q_exp = ((gl.maximum(q_max, 1e-30).to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        q_scale = ((127 + 7 - q_exp) << 23).to(gl.float32, bitcast=True)
+        q_nope = (q_nope.to(gl.float32) * q_scale[:, None]).to(gl.float8e4nv)
+        q_pe = (q_pe.to(gl.float32) * q_scale[:, None]).to(gl.float8e4nv)
+    return q_nope, q_pe, q_scale
