@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..fp8_format import FP8_DTYPES
-from .sm90_common import D_LATENT, D_ROPE, V_CHUNK, _advance_ring, _load_queries, _start_ring
+from .sm90_common import D_LATENT, D_ROPE, V_CHUNK, _advance_ring, _load_queries, _program_split, _start_ring
 
 BLOCK_ROWS = (16, 32)
 BLOCK_N = 64
@@ -146,23 +146,8 @@ def mla_decode_split_kernel_sm90_narrow(
     cols_s: gl.constexpr = gl.SliceLayout(0, mma_s)  # per query row (a column of S^T)
     cols_o: gl.constexpr = gl.SliceLayout(0, mma_o)
 
-    pid_g = gl.program_id(0)
-    pid_s = gl.program_id(1)
-    pid_b = gl.program_id(2).to(gl.int64)
-    num_splits = gl.num_programs(1)
-    if VARLEN:
-        q_start_32 = gl.load(q_start_ptr + pid_b)
-        q_len = gl.load(q_start_ptr + pid_b + 1) - q_start_32
-        q_start = q_start_32.to(gl.int64)
-    else:
-        q_start = pid_b * uniform_q_len
-        q_len = uniform_q_len
-    seq_len = gl.load(seq_lens_ptr + pid_b)
-    draft_start = seq_len - q_len
-    num_keys = draft_start if PREFIX_ONLY else seq_len
-    split_len = gl.cdiv(gl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N
-    start = pid_s * split_len
-    end = gl.minimum(start + split_len, num_keys)
+    pid_g, pid_s, pid_b, q_start, q_len, draft_start, start, end = _program_split(
+        q_start_ptr, seq_lens_ptr, uniform_q_len, BLOCK_N, VARLEN, PREFIX_ONLY)
 
     q_nope, q_pe, q_scale = _load_queries(q_nope_ptr, q_pe_ptr, q_start, q_len, pid_g, stride_qn_t, stride_qn_h,
                                           stride_qp_t, stride_qp_h, NUM_HEADS, D_LATENT, D_ROPE, BLOCK_R, IS_FP8,

@@ -66,7 +66,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..fp8_format import FP8_DTYPES
 from .cache import HALF_DTYPES
-from .sm90_common import D_LATENT, D_ROPE, _load_queries, _page_of
+from .sm90_common import D_LATENT, D_ROPE, _load_queries, _page_of, _program_split
 
 BLOCK_R = 64
 BLOCK_N = 64
@@ -362,22 +362,6 @@ def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, NUM_HEADS: gl.cons
 
 
 @gluon.jit
-def _warpgroup0(state, IS_FP8: gl.constexpr, NUM_HEADS: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr,
-                PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_OUT: gl.constexpr, TREE_MASK: gl.constexpr,
-                PREFIX_ONLY: gl.constexpr):
-    _warpgroup(state, 0, IS_FP8, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK,
-               PREFIX_ONLY)
-
-
-@gluon.jit
-def _warpgroup1(state, IS_FP8: gl.constexpr, NUM_HEADS: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr,
-                PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_OUT: gl.constexpr, TREE_MASK: gl.constexpr,
-                PREFIX_ONLY: gl.constexpr):
-    _warpgroup(state, 1, IS_FP8, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK,
-               PREFIX_ONLY)
-
-
-@gluon.jit
 def mla_decode_split_kernel_sm90_seesaw(
     q_nope_ptr, q_pe_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, kv_scale_ptr, tree_mask_ptr, q_start_ptr,
     out_ptr, lse_ptr, qk_scale_log2, uniform_q_len,
@@ -396,23 +380,8 @@ def mla_decode_split_kernel_sm90_seesaw(
     qk_ty: gl.constexpr = gl.float8e4nv if IS_FP8 else q_nope_ptr.dtype.element_ty
     dtype: gl.constexpr = gl.float16 if IS_FP8 else q_nope_ptr.dtype.element_ty  # P V operands
 
-    pid_g = gl.program_id(0)
-    pid_s = gl.program_id(1)
-    pid_b = gl.program_id(2).to(gl.int64)
-    num_splits = gl.num_programs(1)
-    if VARLEN:
-        q_start_32 = gl.load(q_start_ptr + pid_b)
-        q_len = gl.load(q_start_ptr + pid_b + 1) - q_start_32
-        q_start = q_start_32.to(gl.int64)
-    else:
-        q_start = pid_b * uniform_q_len
-        q_len = uniform_q_len
-    seq_len = gl.load(seq_lens_ptr + pid_b)
-    draft_start = seq_len - q_len
-    num_keys = draft_start if PREFIX_ONLY else seq_len
-    split_len = gl.cdiv(gl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N
-    start = pid_s * split_len
-    end = gl.minimum(start + split_len, num_keys)
+    pid_g, pid_s, pid_b, q_start, q_len, draft_start, start, end = _program_split(
+        q_start_ptr, seq_lens_ptr, uniform_q_len, BLOCK_N, VARLEN, PREFIX_ONLY)
 
     ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     q_nope, q_pe, q_scale = _load_queries(q_nope_ptr, q_pe_ptr, q_start, q_len, pid_g, stride_qn_t, stride_qn_h,
@@ -460,8 +429,8 @@ def mla_decode_split_kernel_sm90_seesaw(
              stride_bt_b, stride_out_t, stride_out_h, stride_out_s, stride_lse_t, stride_lse_h,
              (p1_buf, sscale_smem, v_bufs, kv_scale_ptr))
     gl.warp_specialize([
-        (_warpgroup0,
-         (state, IS_FP8, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK, PREFIX_ONLY)),
-        (_warpgroup1,
-         (state, IS_FP8, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK, PREFIX_ONLY)),
+        (_warpgroup, (state, 0, IS_FP8, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK,
+                      PREFIX_ONLY)),
+        (_warpgroup, (state, 1, IS_FP8, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK,
+                      PREFIX_ONLY)),
     ], [4], [_WORKER_REGS])

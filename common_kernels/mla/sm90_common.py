@@ -1,6 +1,6 @@
-"""What the Gluon decode kernels for sm_90 share: the latent and RoPE widths they take, the page
-lookup, the ``cp.async`` ring of cache tiles (``decode_sm90_narrow``) and the query load, with the
-fp8 caches' query rounding (both kernels).
+"""What the Gluon decode kernels for sm_90 share: the latent and RoPE widths they take, a
+program's split of the keys, the page lookup, the ``cp.async`` ring of cache tiles
+(``decode_sm90_narrow``) and the query load with the fp8 caches' query rounding (both kernels).
 """
 
 from triton.experimental import gluon
@@ -10,6 +10,32 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 D_LATENT = 512
 D_ROPE = 64
 V_CHUNK = gl.constexpr(128)  # fp8 caches: latent columns widened per step (bounds the registers it takes)
+
+
+@gluon.jit
+def _program_split(q_start_ptr, seq_lens_ptr, uniform_q_len, BLOCK_N: gl.constexpr, VARLEN: gl.constexpr,
+                   PREFIX_ONLY: gl.constexpr):
+    """This program's row group, split and request, the request's query rows (``q_start``,
+    ``q_len``), where its draft tokens start, and the keys ``[start, end)`` of its split (grid
+    ``(row groups, splits, requests)``; splits a multiple of ``BLOCK_N`` long)."""
+    pid_g = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    pid_b = gl.program_id(2).to(gl.int64)
+    num_splits = gl.num_programs(1)
+    if VARLEN:
+        q_start_32 = gl.load(q_start_ptr + pid_b)
+        q_len = gl.load(q_start_ptr + pid_b + 1) - q_start_32
+        q_start = q_start_32.to(gl.int64)
+    else:
+        q_start = pid_b * uniform_q_len
+        q_len = uniform_q_len
+    seq_len = gl.load(seq_lens_ptr + pid_b)
+    draft_start = seq_len - q_len
+    num_keys = draft_start if PREFIX_ONLY else seq_len
+    split_len = gl.cdiv(gl.cdiv(num_keys, num_splits), BLOCK_N) * BLOCK_N
+    start = pid_s * split_len
+    end = gl.minimum(start + split_len, num_keys)
+    return pid_g, pid_s, pid_b, q_start, q_len, draft_start, start, end
 
 
 @gluon.jit
