@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+from triton.runtime.jit import mangle_type
 
 HOPPER = GPUTarget("cuda", 90, 128)
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
@@ -39,6 +40,7 @@ class HopperReport:
     spill_bytes: int  # spill stores + spill loads, per thread
     wgmma: int  # wgmma.mma_async instructions in the PTX
     async_copies: int  # cp.async copies the software pipeliner made (ttgir ops)
+    tma_copies: int  # bulk tensor copies (TMA) into shared memory (ttgir ops)
     mma_layouts: tuple[str, ...]  # warpsPerCTA and instrShape of each MMA layout
     wgmma_serialized: bool  # ptxas waits after every wgmma: C7511 (short of registers), C7514/C7515 (see gemm_sm90)
     shared_bytes: int  # shared memory a program takes (sm_90 gives a block at most 227 KiB)
@@ -47,31 +49,38 @@ class HopperReport:
         return (f"registers {self.registers}, spills {self.spill_bytes} B, shared {self.shared_bytes // 1024} KiB, "
                 f"wgmma {self.wgmma}"
                 f"{' (serialized by ptxas)' if self.wgmma_serialized else ''}, "
-                f"async copies {self.async_copies}, mma layouts {'; '.join(self.mma_layouts) or 'none'}")
+                f"async copies {self.async_copies}, TMA copies {self.tma_copies}, mma layouts {'; '.join(self.mma_layouts) or 'none'}")
 
 
 def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int, num_stages: int,
-                       floats: tuple = (), unaligned: tuple = (), maxnreg: int | None = None) -> HopperReport:
+                       floats: tuple = (), unaligned: tuple = (), maxnreg: int | None = None,
+                       typed: dict | None = None) -> HopperReport:
     """Compile ``kernel`` (a ``@triton.jit`` or ``@gluon.jit`` function) for sm_90a, with at most
     ``maxnreg`` registers a thread if given.
 
     ``pointers`` maps pointer arguments to their element dtype, ``floats`` names fp32 scalars; every
-    other argument is an i32, 16-byte divisible unless named in ``unaligned``.
+    other argument is an i32, 16-byte divisible unless named in ``unaligned``; ``typed`` gives the
+    signature type of any other (a tensor descriptor: ``triton.runtime.jit.mangle_type`` of one).
     """
-    params = list(inspect.signature(kernel.fn).parameters)
-    unknown = set(pointers) | set(floats) | set(constexprs) | set(unaligned)
+    typed = typed or {}
+    params = [name for name in inspect.signature(kernel.fn).parameters
+              if name in pointers or name in floats or name in constexprs or name in typed
+              or inspect.signature(kernel.fn).parameters[name].default is inspect.Parameter.empty]
+    unknown = set(pointers) | set(floats) | set(constexprs) | set(unaligned) | set(typed)
     if not unknown <= set(params):
         raise ValueError(f"{kernel.fn.__name__} has no argument(s) {sorted(unknown - set(params))}")
     signature = {}
     for name in params:
         if name in constexprs:
             signature[name] = "constexpr"
+        elif name in typed:
+            signature[name] = typed[name]
         elif name in pointers:
             signature[name] = "*" + _TRITON_TYPES[pointers[name]]
         else:
             signature[name] = "fp32" if name in floats else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(params)
-             if signature[name] not in ("constexpr", "fp32") and name not in unaligned}
+             if signature[name] not in ("constexpr", "fp32") and name not in unaligned and name not in typed}
     source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
     compiled = triton.compile(source(kernel, signature, constexprs=constexprs, attrs=attrs), target=HOPPER,
                               options=dict(num_warps=num_warps, num_stages=num_stages,
@@ -86,7 +95,7 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int,
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", verbose))
     layouts = tuple(sorted(set(re.findall(r"warpsPerCTA = \[\d+, \d+\], instrShape = \[[\d, ]+\]", ttgir))))
     return HopperReport(registers, spills, ptx.count("wgmma.mma_async"), ttgir.count("async_copy_global_to_local"),
-                        layouts, "wgmma.mma_async instructions are serialized" in verbose, compiled.metadata.shared)
+                        ttgir.count("async_tma_copy_global_to_local"), layouts, "wgmma.mma_async instructions are serialized" in verbose, compiled.metadata.shared)
 
 
 def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 64, varlen: bool = False,
@@ -102,7 +111,7 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
     is_fp8 = keys_dtype in FP8_DTYPES
     kernel = decode._mla_decode_split_kernel
     block_n, num_warps, num_stages = decode._launch_config(plan.block_rows, page, is_fp8)
-    extra, maxnreg = {}, None
+    extra, maxnreg, typed = {}, None, {}
     module = decode.sm90_kernel_for(plan.block_rows, keys_dtype, not keys_dense, page, 512, 64) if sm90 else None
     if module is decode_sm90_seesaw:
         kernel, block_n, num_warps = module.mla_decode_split_kernel_sm90_seesaw, module.BLOCK_N, module.NUM_WARPS
@@ -110,6 +119,10 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
     elif module is not None:
         kernel, block_n, num_warps = module.mla_decode_split_kernel_sm90_narrow, module.BLOCK_N, module.NUM_WARPS
         extra = dict(NUM_BUFS=module.NUM_BUFS)
+        tma = module.tma_options(torch.empty(4, page, 576, dtype=keys_dtype)) if not keys_dense else {}
+        if tma:
+            extra["TMA_BOX"] = tma.pop("TMA_BOX")
+            typed = {name: mangle_type(desc) for name, desc in tma.items()}
     pointers = dict(q_nope_ptr=torch.bfloat16, q_pe_ptr=torch.bfloat16, cache_ptr=keys_dtype, block_table_ptr=torch.int32,
                     seq_lens_ptr=torch.int32, kv_scale_ptr=torch.float32, tree_mask_ptr=torch.int64,
                     q_start_ptr=torch.int32, out_ptr=torch.float32, lse_ptr=torch.float32)
@@ -119,7 +132,7 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
     return compile_for_hopper(kernel, pointers, constexprs, num_warps, num_stages,
                               floats=("qk_scale_log2",),
                               unaligned=("uniform_q_len", "stride_out_s", "stride_lse_t", "stride_lse_h"),
-                              maxnreg=maxnreg)
+                              maxnreg=maxnreg, typed=typed)
 
 
 def gemm_report(block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None = None) -> HopperReport:

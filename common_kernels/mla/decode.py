@@ -595,7 +595,8 @@ def _launch_split(q_nope, q_pe, keys, block_table, seq_lens, kv_scale, tree_mask
         options = dict(num_warps=decode_sm90_seesaw.NUM_WARPS, maxnreg=decode_sm90_seesaw.MAXNREG)
     elif module is decode_sm90_narrow:
         kernel, block_n = decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow, decode_sm90_narrow.BLOCK_N
-        options = dict(NUM_BUFS=decode_sm90_narrow.NUM_BUFS, num_warps=decode_sm90_narrow.NUM_WARPS)
+        options = dict(NUM_BUFS=decode_sm90_narrow.NUM_BUFS, num_warps=decode_sm90_narrow.NUM_WARPS,
+                       **decode_sm90_narrow.tma_options(keys))
     else:
         kernel = _mla_decode_split_kernel
         block_n, num_warps, num_stages = _launch_config(plan.block_rows, page_size, is_fp8)

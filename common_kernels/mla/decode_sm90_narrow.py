@@ -23,7 +23,11 @@ wgmma's M and the query rows its N (one warpgroup, 4 warps):
   c + 2 is issued): with four, the accumulators and operands outgrow the registers and ptxas
   serializes every wgmma (C7511); two were 1.18-1.22x faster on the H200 (2026-12-01, ninth
   session);
-- cache tiles: ``cp.async`` per row into a ring of ``NUM_BUFS`` buffers (``sm90_common``).
+- cache tiles into a ring of ``NUM_BUFS`` buffers (``sm90_common``): fp8 caches whose pages lie
+  back to back by bulk tensor copies (TMA, five boxes a tile, one barrier a slot; the latent rows
+  of a split's last tile past its keys are zeroed in shared memory), others by ``cp.async`` per
+  row. Nsight Compute on the H200 put 16 % of the fp8 kernel's stall samples on issuing 18
+  ``cp.async`` a thread a tile (``benchmarks/results/ncu-decode-gemm-2026-12-02.json``).
 
 Shared memory at ``BLOCK_N = 64``: bf16 queries 18 KiB (32 rows: 36), two tiles 144 KiB, one
 program per multiprocessor; fp8 queries 9 KiB (32 rows: 18), two tiles 72 KiB, two programs per
@@ -37,15 +41,27 @@ widening buffer at one query token. (64-row groups with two warpgroups of 32 row
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
+    mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from ..fp8_format import FP8_DTYPES
-from .sm90_common import D_LATENT, D_ROPE, V_CHUNK, _advance_ring, _load_queries, _program_split, _start_ring
+from .sm90_common import (
+    D_LATENT,
+    D_ROPE,
+    V_CHUNK,
+    _advance_ring,
+    _advance_ring_tma,
+    _load_queries,
+    _program_split,
+    _start_ring,
+    _start_ring_tma,
+)
 
 BLOCK_ROWS = (16, 32)
 BLOCK_N = 64
@@ -53,6 +69,10 @@ NUM_WARPS = 4
 
 
 NUM_BUFS = 2
+# fp8 caches whose pages lie back to back: tiles by bulk tensor copies (TMA), 1.11-1.15x faster at one
+# query token than cp.async per row (benchmarks/results/mla_decode-sm90-narrow-tma-2026-12-02.md);
+# 16-bit caches keep cp.async (0.97-0.99x with TMA, already at the card's bandwidth).
+USE_TMA_FP8 = 1
 PROGRAMS_PER_SM_FP8 = 2  # fp8 caches: 83 KiB of shared memory (32 rows: 94) and 255 registers a thread
 
 
@@ -65,6 +85,28 @@ def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, 
     """Whether this kernel takes a launch of that shape (on an sm_90 GPU)."""
     return (block_rows in BLOCK_ROWS and keys_dtype in (torch.bfloat16, torch.float16, *FP8_DTYPES) and paged
             and page_size % BLOCK_N == 0 and (d_latent, d_rope) == (D_LATENT, D_ROPE))
+
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
+              torch.float8_e5m2: gl.float8e5}
+
+
+def tma_options(cache: torch.Tensor) -> dict:
+    """The launch's bulk-copy arguments for a paged fp8 cache ``[N_blocks, B_page, D]`` whose pages
+    lie back to back (``USE_TMA_FP8``): two descriptors over its rows, boxes of ``BLOCK_N`` rows by
+    128 bytes (latent part) and by the RoPE part, in the shared layouts of the kernel's tiles. Else
+    none (the kernel copies rows with ``cp.async``)."""
+    blocks, page, width = cache.shape
+    if (not USE_TMA_FP8 or cache.dtype not in FP8_DTYPES or cache.stride(0) != page * cache.stride(1)
+            or cache.stride(2) != 1 or cache.data_ptr() % 16):
+        return {}
+    rows = cache.as_strided((blocks * page, width), (cache.stride(1), 1))
+    dtype = _GL_DTYPES[cache.dtype]
+    box = 128 // cache.element_size()
+    latent = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], dtype)
+    rope = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], dtype)
+    return dict(kc_desc=TensorDescriptor.from_tensor(rows, [BLOCK_N, box], latent),
+                kp_desc=TensorDescriptor.from_tensor(rows, [BLOCK_N, D_ROPE], rope), TMA_BOX=box)
 
 
 @gluon.jit
@@ -128,6 +170,9 @@ def mla_decode_split_kernel_sm90_narrow(
     PREFIX_ONLY: gl.constexpr,
     KEYS_DENSE: gl.constexpr,
     NUM_BUFS: gl.constexpr,
+    kc_desc=None,
+    kp_desc=None,
+    TMA_BOX: gl.constexpr = 0,
 ):
     gl.static_assert(IS_FP8 == FP8_QUERIES and not KEYS_DENSE, "paged caches; fp8 ones with fp8 queries")
     gl.static_assert((BLOCK_R == 16 or BLOCK_R == 32) and PAGE_SIZE % BLOCK_N == 0 and NUM_BUFS >= 2)
@@ -178,8 +223,13 @@ def mla_decode_split_kernel_sm90_narrow(
         visible = draft_start + 1 + tok_j
 
     bt_row = block_table_ptr + pid_b * stride_bt_b
-    page = _start_ring(kc_ring, kp_ring, start, end, cache_ptr, bt_row, stride_cache_block, stride_cache_tok, PAGE_SIZE,
-                       BLOCK_N, D_LATENT, D_ROPE, NUM_BUFS, ld_keys)
+    if TMA_BOX:
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_BUFS, 1], mbarrier.MBarrierLayout())
+        page = _start_ring_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, start, end, bt_row, PAGE_SIZE, BLOCK_N,
+                               D_LATENT, NUM_BUFS, TMA_BOX)
+    else:
+        page = _start_ring(kc_ring, kp_ring, start, end, cache_ptr, bt_row, stride_cache_block, stride_cache_tok,
+                           PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, NUM_BUFS, ld_keys)
 
     m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, layout=cols_s)
     l_tile = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, layout=mma_s)
@@ -192,8 +242,12 @@ def mla_decode_split_kernel_sm90_narrow(
     offs_key = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     for i in range(n_tiles):
-        page = _advance_ring(kc_ring, kp_ring, i, page, start, end, cache_ptr, bt_row, stride_cache_block,
-                             stride_cache_tok, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, NUM_BUFS, ld_keys)
+        if TMA_BOX:
+            page = _advance_ring_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, i, page, start, end, bt_row, PAGE_SIZE,
+                                     BLOCK_N, D_LATENT, NUM_BUFS, TMA_BOX, ld_keys)
+        else:
+            page = _advance_ring(kc_ring, kp_ring, i, page, start, end, cache_ptr, bt_row, stride_cache_block,
+                                 stride_cache_tok, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, NUM_BUFS, ld_keys)
         kc = kc_ring.index(i % NUM_BUFS)
         kp = kp_ring.index(i % NUM_BUFS)
 
@@ -235,7 +289,8 @@ def mla_decode_split_kernel_sm90_narrow(
             acc3, v3 = _pv(kc, 3, p_smem, acc3 * alpha_o, IS_FP8, v_ops)
             acc0, acc1, acc2, acc3, _, _, _, _, _, _ = warpgroup_mma_wait(
                 num_outstanding=0, deps=[acc0, acc1, acc2, acc3, p_smem, kc, v0, v1, v2, v3])
-    async_copy.wait_group(0)
+    if not TMA_BOX:
+        async_copy.wait_group(0)
 
     l_i = gl.sum(l_tile, axis=0)
     has_keys = l_i > 0.0

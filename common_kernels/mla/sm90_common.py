@@ -1,11 +1,12 @@
 """What the Gluon decode kernels for sm_90 share: the latent and RoPE widths they take, a
-program's split of the keys, the page lookup, the ``cp.async`` ring of cache tiles
-(``decode_sm90_narrow``) and the query load with the fp8 caches' query rounding (both kernels).
+program's split of the keys, the page lookup, the rings of cache tiles of ``decode_sm90_narrow``
+(``cp.async`` per row, or bulk tensor copies) and the query load with the fp8 caches' query
+rounding (both kernels).
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, tma
 
 D_LATENT = 512
 D_ROPE = 64
@@ -87,6 +88,69 @@ def _advance_ring(kc_ring, kp_ring, i, page, start, end, cache_ptr, bt_row, stri
     _issue_tile(kc_ring, kp_ring, (i + NUM_BUFS - 1) % NUM_BUFS, start + (i + NUM_BUFS - 1) * BLOCK_N, end,
                 cache_ptr, page, stride_cache_block, stride_cache_tok, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, ld_layout)
     return page_next
+
+
+@gluon.jit
+def _issue_tile_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, slot, n0, page, pred, PAGE_SIZE: gl.constexpr,
+                    D_LATENT: gl.constexpr, BOX: gl.constexpr):
+    """Start the bulk tensor copies (TMA) of cache tokens ``[n0, n0 + BLOCK_N)`` of ``page`` into ring
+    slot ``slot``, completing on its barrier (nothing when ``pred`` is false). Rows past the
+    split's end come from the page as they are (``_zero_tail`` clears their latent part)."""
+    bar = bars.index(slot)
+    row = (page * PAGE_SIZE + n0 % PAGE_SIZE).to(gl.int32)
+    TILE_BYTES: gl.constexpr = ((kc_ring.shape[1] * kc_ring.shape[2] + kp_ring.shape[1] * kp_ring.shape[2])
+                                * kc_ring.dtype.primitive_bitwidth // 8)
+    mbarrier.expect(bar, TILE_BYTES, pred=pred)
+    for j in gl.static_range(D_LATENT // BOX):
+        tma.async_copy_global_to_shared(kc_desc, [row, j * BOX], bar, kc_ring.index(slot).slice(j * BOX, BOX, dim=1),
+                                        pred=pred)
+    tma.async_copy_global_to_shared(kp_desc, [row, D_LATENT], bar, kp_ring.index(slot), pred=pred)
+
+
+@gluon.jit
+def _start_ring_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, start, end, bt_row, PAGE_SIZE: gl.constexpr,
+                    BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr, NUM_BUFS: gl.constexpr, BOX: gl.constexpr):
+    """``_start_ring`` with bulk tensor copies: one barrier a slot, tiles at or past ``end`` not copied."""
+    for t in gl.static_range(NUM_BUFS):
+        mbarrier.init(bars.index(t), count=1)
+    fence_async_shared()
+    for t in gl.static_range(NUM_BUFS - 1):
+        n0 = start + t * BLOCK_N
+        _issue_tile_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, t, n0, _page_of(bt_row, n0, end, PAGE_SIZE),
+                        n0 < end, PAGE_SIZE, D_LATENT, BOX)
+    return _page_of(bt_row, start + (NUM_BUFS - 1) * BLOCK_N, end, PAGE_SIZE)
+
+
+@gluon.jit
+def _advance_ring_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, i, page, start, end, bt_row, PAGE_SIZE: gl.constexpr,
+                      BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr, NUM_BUFS: gl.constexpr, BOX: gl.constexpr,
+                      zero_layout: gl.constexpr):
+    """``_advance_ring`` with bulk tensor copies: wait for tile ``i``'s barrier and for every thread
+    to be done with tile ``i - 1``, refill that slot, and zero the latent rows of tile ``i`` past
+    ``end`` (only a split's last tile has any). Returns the page of the tile after the refill."""
+    mbarrier.wait(bars.index(i % NUM_BUFS), (i // NUM_BUFS) & 1)
+    gl.thread_barrier()
+    page_next = _page_of(bt_row, start + (i + NUM_BUFS) * BLOCK_N, end, PAGE_SIZE)
+    n0 = start + (i + NUM_BUFS - 1) * BLOCK_N
+    _issue_tile_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, (i + NUM_BUFS - 1) % NUM_BUFS, n0, page, n0 < end,
+                    PAGE_SIZE, D_LATENT, BOX)
+    rows_left = end - (start + i * BLOCK_N)
+    if rows_left < BLOCK_N:
+        _zero_tail(kc_ring.index(i % NUM_BUFS), rows_left, BLOCK_N, D_LATENT, zero_layout)
+    return page_next
+
+
+@gluon.jit
+def _zero_tail(kc, rows_left, BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr, layout: gl.constexpr):
+    """Zero the latent part of the tile's rows from ``rows_left`` on: a page's rows past the keys are
+    stale or never written (possibly NaN), and ``P V`` multiplies them by zero."""
+    CHUNK: gl.constexpr = 128
+    keep = (gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout)) < rows_left)[:, None]
+    for j in gl.static_range(D_LATENT // CHUNK):
+        part = kc.slice(j * CHUNK, CHUNK, dim=1)
+        part.store(gl.where(keep, part.load(layout), gl.zeros([BLOCK_N, CHUNK], kc.dtype, layout)))
+    fence_async_shared()
+    gl.thread_barrier()
 
 
 @gluon.jit

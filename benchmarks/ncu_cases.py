@@ -1,0 +1,56 @@
+"""Launches for Nsight Compute: each case runs twice unprofiled (compilation, caches), then once
+between ``cudaProfilerStart`` and ``cudaProfilerStop``, so ``ncu --profile-from-start off``
+records that launch only. The cases print in order, one line each, to match ncu's report.
+
+    ncu --profile-from-start off --clock-control none --set full --import-source no \\
+        -o $OUT/decode python3 -m benchmarks.ncu_cases decode:e4m3:16:1:32768 decode:bf16:16:1:32768 \\
+        gemm:4096:7168:2048
+
+Cases: ``decode:CACHE:HEADS:Q_LEN:CTX`` (batch 128, ``benchmarks.mla_decode``'s inputs and plan)
+and ``gemm:M:N:K`` (``block_scaled_gemm`` with its tuned config, E4M3 operands).
+"""
+
+import argparse
+
+import torch
+
+from benchmarks.mla_decode import make_inputs, ours
+from benchmarks.mla_decode_splits import DTYPES
+from common_kernels.fp8 import block_scaled_gemm, quantize_per_token_group, quantize_weight_blocks
+
+BATCH = 128
+
+
+def decode_case(cache: str, heads: str, q_len: str, ctx: str):
+    q, cache_t, table, lens = make_inputs(BATCH, int(heads), int(q_len), int(ctx), DTYPES[cache])
+    return ours(q, cache_t, table, lens, int(q_len), torch.tensor([0.5], device="cuda"))
+
+
+def gemm_case(m: str, n: str, k: str):
+    a, a_scale = quantize_per_token_group(torch.randn(int(m), int(k), device="cuda", dtype=torch.bfloat16))
+    b, b_scale = quantize_weight_blocks(torch.randn(int(n), int(k), device="cuda", dtype=torch.bfloat16) * 0.02)
+    return lambda: block_scaled_gemm(a, a_scale, b, b_scale)
+
+
+CASES = {"decode": decode_case, "gemm": gemm_case}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("cases", nargs="+", help="KIND:ARG:... (see above)")
+    args = parser.parse_args()
+    for case in args.cases:
+        kind, *params = case.split(":")
+        fn = CASES[kind](*params)
+        fn()
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        print(f"profiled {case}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
