@@ -12,8 +12,9 @@ wgmma's M and the query rows its N (one warpgroup, 4 warps):
 
 - ``S^T = K Q^T``: ``[BLOCK_N keys, BLOCK_R rows]``, the cache tile as the left operand straight
   from shared memory (fp8 tiles too: they are K-major), the queries as the right one;
-- softmax per column in fp32, base 2; the column max reduces across the 4 warps every tile, the
-  column sum once at the end;
+- softmax per column in fp32, base 2; the column max reduces across the 4 warps every tile (each
+  warp's maximum through shared memory, one barrier: ``_column_max``), the column sum once at the
+  end;
 - ``P^T`` goes to shared memory in the ``P V`` operand type;
 - ``O^T = V^T P^T``: ``[D_latent, BLOCK_R]`` fp32 in four accumulators of ``V_CHUNK`` latent
   rows, ``V^T`` the tile's latent part read transposed from shared memory by wgmma (bf16/fp16),
@@ -25,8 +26,9 @@ wgmma's M and the query rows its N (one warpgroup, 4 warps):
   session);
 - cache tiles into a ring of ``NUM_BUFS`` buffers (``sm90_common``): fp8 caches whose pages lie
   back to back by bulk tensor copies (TMA, five boxes a tile, one barrier a slot; the latent rows
-  of a split's last tile past its keys are zeroed in shared memory), others by ``cp.async`` per
-  row. Nsight Compute on the H200 put 16 % of the fp8 kernel's stall samples on issuing 18
+  of a split's last tile past its keys are zeroed in shared memory; a slot is refilled once the
+  column-max barrier of the next tile shows every thread done with it, which spares a barrier a
+  tile), others by ``cp.async`` per row. Nsight Compute on the H200 put 16 % of the fp8 kernel's stall samples on issuing 18
   ``cp.async`` a thread a tile (``benchmarks/results/ncu-decode-gemm-2026-12-02.json``).
 
 Shared memory at ``BLOCK_N = 64``: bf16 queries 18 KiB (32 rows: 36), two tiles 144 KiB, one
@@ -56,11 +58,12 @@ from .sm90_common import (
     D_ROPE,
     V_CHUNK,
     _advance_ring,
-    _advance_ring_tma,
+    _refill_tma,
     _load_queries,
     _program_split,
     _start_ring,
     _start_ring_tma,
+    _wait_tile_tma,
 )
 
 BLOCK_ROWS = (16, 32)
@@ -70,8 +73,9 @@ NUM_WARPS = 4
 
 NUM_BUFS = 2
 # fp8 caches whose pages lie back to back: tiles by bulk tensor copies (TMA), 1.11-1.15x faster at one
-# query token than cp.async per row (benchmarks/results/mla_decode-sm90-narrow-tma-2026-12-02.md);
-# 16-bit caches keep cp.async (0.97-0.99x with TMA, already at the card's bandwidth).
+# query token than cp.async per row, 1.03-1.04x at two, and with the refill moved behind the column
+# max another 1.02-1.04x and 1.08-1.12x (benchmarks/results/mla_decode-sm90-narrow-tma-2026-12-02.md);
+# 16-bit caches keep cp.async (0.97-1.00x with TMA, already at the card's bandwidth).
 USE_TMA_FP8 = 1
 PROGRAMS_PER_SM_FP8 = 2  # fp8 caches: 83 KiB of shared memory (32 rows: 94) and 255 registers a thread
 
@@ -93,12 +97,12 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.floa
 
 def tma_options(cache: torch.Tensor) -> dict:
     """The launch's bulk-copy arguments for a paged fp8 cache ``[N_blocks, B_page, D]`` whose pages
-    lie back to back (``USE_TMA_FP8``): two descriptors over its rows, boxes of ``BLOCK_N`` rows by
+    lie back to back, 16-byte aligned (``USE_TMA_FP8``): two descriptors over its rows, boxes of ``BLOCK_N`` rows by
     128 bytes (latent part) and by the RoPE part, in the shared layouts of the kernel's tiles. Else
     none (the kernel copies rows with ``cp.async``)."""
     blocks, page, width = cache.shape
     if (not USE_TMA_FP8 or cache.dtype not in FP8_DTYPES or cache.stride(0) != page * cache.stride(1)
-            or cache.stride(2) != 1 or cache.data_ptr() % 16):
+            or cache.stride(2) != 1 or cache.data_ptr() % 16 or cache.stride(1) * cache.element_size() % 16):
         return {}
     rows = cache.as_strided((blocks * page, width), (cache.stride(1), 1))
     dtype = _GL_DTYPES[cache.dtype]
@@ -121,6 +125,17 @@ def _pv(tile, c: gl.constexpr, p_smem, acc, IS_FP8: gl.constexpr, v_ops: gl.cons
         return warpgroup_mma(v_regs, p_smem, acc, is_async=True), v_regs
     else:
         return warpgroup_mma(v_t, p_smem, acc, is_async=True), v_t
+
+
+@gluon.jit
+def _column_max(s, max_smem, BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr, mma_s: gl.constexpr):
+    """The maximum of each column of ``S^T`` (keys along the 4 warps): each warp's own maximum into
+    shared memory, one barrier, then each thread reads the four. (``gl.max(s, axis=0)`` takes two
+    barriers.) The slots are rewritten a tile later, after the ``P`` barrier."""
+    per_warp = gl.max(gl.reshape(s, [4, BLOCK_N // 4, BLOCK_R]), axis=1)
+    max_smem.store(per_warp)
+    gl.thread_barrier()
+    return gl.max(max_smem.load(mma_s), axis=0)
 
 
 @gluon.jit
@@ -213,6 +228,7 @@ def mla_decode_split_kernel_sm90_narrow(
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], key_ty))
     p_smem = gl.allocate_shared_memory(pv_ty, [BLOCK_N, BLOCK_R],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], pv_ty))
+    max_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_R], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
 
     # Column (query row) visibility: causal bound, or tree mask bits.
     row_s = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=cols_s)
@@ -242,9 +258,8 @@ def mla_decode_split_kernel_sm90_narrow(
     offs_key = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     for i in range(n_tiles):
-        if TMA_BOX:
-            page = _advance_ring_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, i, page, start, end, bt_row, PAGE_SIZE,
-                                     BLOCK_N, D_LATENT, NUM_BUFS, TMA_BOX, ld_keys)
+        if TMA_BOX:  # the refill of tile i - 1's slot waits for the column-max barrier below
+            _wait_tile_tma(kc_ring, bars, i, start, end, BLOCK_N, D_LATENT, NUM_BUFS, ld_keys)
         else:
             page = _advance_ring(kc_ring, kp_ring, i, page, start, end, cache_ptr, bt_row, stride_cache_block,
                                  stride_cache_tok, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, NUM_BUFS, ld_keys)
@@ -265,7 +280,10 @@ def mla_decode_split_kernel_sm90_narrow(
         else:
             seen = (offs_n < end)[:, None] & (offs_n[:, None] < visible[None, :])
         s = gl.where(seen, s * score_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_new = gl.maximum(m_i, _column_max(s, max_smem, BLOCK_N, BLOCK_R, mma_s))
+        if TMA_BOX:
+            page = _refill_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, i, page, start, end, bt_row, PAGE_SIZE,
+                               BLOCK_N, D_LATENT, NUM_BUFS, TMA_BOX)
         m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_shift)
         p = gl.exp2(s - m_shift[None, :])

@@ -122,21 +122,24 @@ def _start_ring_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, start, end, bt_row
 
 
 @gluon.jit
-def _advance_ring_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, i, page, start, end, bt_row, PAGE_SIZE: gl.constexpr,
-                      BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr, NUM_BUFS: gl.constexpr, BOX: gl.constexpr,
-                      zero_layout: gl.constexpr):
-    """``_advance_ring`` with bulk tensor copies: wait for tile ``i``'s barrier and for every thread
-    to be done with tile ``i - 1``, refill that slot, and zero the latent rows of tile ``i`` past
-    ``end`` (only a split's last tile has any). Returns the page of the tile after the refill."""
+def _wait_tile_tma(kc_ring, bars, i, start, end, BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr,
+                   NUM_BUFS: gl.constexpr, zero_layout: gl.constexpr):
+    """Wait for tile ``i``'s bulk copies and zero its latent rows past ``end``."""
     mbarrier.wait(bars.index(i % NUM_BUFS), (i // NUM_BUFS) & 1)
-    gl.thread_barrier()
+    rows_left = end - (start + i * BLOCK_N)
+    if rows_left < BLOCK_N:
+        _zero_tail(kc_ring.index(i % NUM_BUFS), rows_left, BLOCK_N, D_LATENT, zero_layout)
+
+
+@gluon.jit
+def _refill_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, i, page, start, end, bt_row, PAGE_SIZE: gl.constexpr,
+                BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr, NUM_BUFS: gl.constexpr, BOX: gl.constexpr):
+    """Once every thread is done with tile ``i - 1`` (past a barrier of tile ``i``): refill its slot
+    with tile ``i + NUM_BUFS - 1`` from ``page``. Returns the page of the tile after it."""
     page_next = _page_of(bt_row, start + (i + NUM_BUFS) * BLOCK_N, end, PAGE_SIZE)
     n0 = start + (i + NUM_BUFS - 1) * BLOCK_N
     _issue_tile_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, (i + NUM_BUFS - 1) % NUM_BUFS, n0, page, n0 < end,
                     PAGE_SIZE, D_LATENT, BOX)
-    rows_left = end - (start + i * BLOCK_N)
-    if rows_left < BLOCK_N:
-        _zero_tail(kc_ring.index(i % NUM_BUFS), rows_left, BLOCK_N, D_LATENT, zero_layout)
     return page_next
 
 
