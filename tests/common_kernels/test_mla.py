@@ -295,6 +295,27 @@ def test_sm90_kernel_routing():
         assert sm90_kernel_for(*shape) is None, shape
 
 
+def test_narrow_kernel_bulk_copies_only_contiguous_fp8_pages():
+    """The narrow kernel's TMA tiles (``tma_options``): fp8 caches whose pages lie back to back get
+    descriptors over the cache rows (boxes of 64 rows by 128 bytes and by the RoPE part); 16-bit
+    caches and caches with gaps between pages or rows not 16-byte aligned keep ``cp.async``."""
+    from common_kernels.mla import decode_sm90_narrow
+
+    for page in (64, 128):
+        for dtype in FP8_CACHE.values():
+            cache = torch.zeros(6, page, 576, dtype=dtype)
+            options = decode_sm90_narrow.tma_options(cache)
+            latent, rope = options["kc_desc"], options["kp_desc"]
+            assert options["TMA_BOX"] == 128 and list(latent.block_shape) == [64, 128]
+            assert list(rope.block_shape) == [64, 64]
+            assert list(latent.shape) == [6 * page, 576] and list(latent.strides) == [576, 1]
+            assert latent.base.data_ptr() == cache.data_ptr() and rope.base.data_ptr() == cache.data_ptr()
+            gapped = torch.zeros(6, page + 1, 576, dtype=dtype)[:, :page]
+            assert decode_sm90_narrow.tma_options(gapped) == {}
+            assert decode_sm90_narrow.tma_options(torch.zeros(6, page, 584, dtype=dtype)[..., :576]) == {}
+        assert decode_sm90_narrow.tma_options(torch.zeros(6, page, 576, dtype=torch.bfloat16)) == {}
+
+
 @pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())
 @pytest.mark.parametrize("block_size", [16, 64], ids=lambda b: f"page{b}")
 def test_cache_write_matches_reference(cache_name, block_size):
