@@ -7,7 +7,10 @@ them, resolved against the working tree's package), and ``decode.mla_decode`` is
 kernel set or the other by swapping the module attributes it launches. Each shape: both outputs
 against ``mla_decode_ref`` (relative error, at the first context length), then CUDA-graph replay
 medians (``mla_decode_splits.timed``). One JSON row per shape: both times and ``base_us / ours_us``
-(above 1: the working tree is faster).
+(above 1: the working tree is faster). ``--both-orders`` times each shape a second time with ours
+first (``*_2`` entries): the H200's speed drifted by 10-28 % within one run on 2026-12-02, which a
+one-order A/B reads as a difference between the kernels
+(``benchmarks/results/mla_decode-sm90-narrow-tma-2026-12-02.md``).
 
     python -m benchmarks.mla_decode_ab --base HEAD --heads 16 --q-len 1 2 --cache e4m3 --out ab.jsonl
     python -m benchmarks.mla_decode_ab --base HEAD~1 --heads 128 --out ab128.jsonl
@@ -144,6 +147,21 @@ def measure(side: str, kernels, constants, inputs, dtype, batch: int, heads: int
     return row
 
 
+def compare(measure_side, sides, check: bool, both_orders: bool) -> dict:
+    """One shape's A/B entries: ``measure_side(side, kernels, constants, check)`` for base then ours,
+    and ``base/ours``; with ``both_orders`` once more, ours first, as ``*_2`` entries and
+    ``base/ours_2`` (a drift during the run shows as ``base_us`` != ``base_us_2``)."""
+    row = {}
+    for side in sides:
+        row |= measure_side(*side, check=check)
+    row["base/ours"] = row["base_us"] / row["ours_us"]
+    if both_orders:
+        for side in reversed(sides):
+            row |= {f"{key}_2": value for key, value in measure_side(*side, check=False).items()}
+        row["base/ours_2"] = row["base_us_2"] / row["ours_us_2"]
+    return row
+
+
 def main() -> None:
     from benchmarks.mla_decode import make_inputs
     from benchmarks.mla_decode_splits import DTYPES
@@ -158,6 +176,8 @@ def main() -> None:
     parser.add_argument("--cache", nargs="+", default=["bf16", "e4m3"], choices=list(DTYPES))
     parser.add_argument("--ours-set", nargs="+", default=[], metavar="MODULE.NAME=INT",
                         help="constants of the working tree's kernel modules for its side only")
+    parser.add_argument("--both-orders", action="store_true",
+                        help="time each shape twice, base first and then ours first (base/ours and base/ours_2)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     settings = parse_settings(args.ours_set)
@@ -168,10 +188,9 @@ def main() -> None:
             dtype = DTYPES[cache_name]
             inputs = (*make_inputs(args.batch, heads, q_len, ctx, dtype), kv_scale)
             row = dict(base=args.base, ours_set=args.ours_set, cache=cache_name, heads=heads, q_len=q_len, ctx=ctx)
-            for side, kernels, constants in (("base", base, {}), ("ours", None, settings)):
-                row |= measure(side, kernels, constants, inputs, dtype, args.batch, heads, q_len, ctx,
-                               check=ctx == args.ctx[0])
-            row["base/ours"] = row["base_us"] / row["ours_us"]
+            row |= compare(lambda side, kernels, constants, check: measure(
+                side, kernels, constants, inputs, dtype, args.batch, heads, q_len, ctx, check),
+                [("base", base, {}), ("ours", None, settings)], check=ctx == args.ctx[0], both_orders=args.both_orders)
             out.write(json.dumps(row) + "\n")
             out.flush()
             print(json.dumps(row), flush=True)

@@ -73,3 +73,23 @@ def test_ours_set_changes_constants_for_one_side_only():
 def test_ours_set_refuses_what_it_cannot_set(item):
     with pytest.raises(ValueError, match="MODULE.NAME=INT"):
         mla_decode_ab.parse_settings([item])
+
+
+def test_both_orders_times_each_side_again_ours_first():
+    calls = []
+    times = iter([10.0, 5.0, 6.0, 12.0])  # base, ours, then ours, base
+
+    def measure_side(side, kernels, constants, check):
+        calls.append((side, check))
+        return {f"{side}_us": next(times)}
+
+    sides = [("base", None, {}), ("ours", None, {})]
+    row = mla_decode_ab.compare(measure_side, sides, check=True, both_orders=True)
+    assert calls == [("base", True), ("ours", True), ("ours", False), ("base", False)]
+    assert row == {"base_us": 10.0, "ours_us": 5.0, "base/ours": 2.0, "ours_us_2": 6.0, "base_us_2": 12.0,
+                   "base/ours_2": 2.0}
+    calls.clear()
+    times = iter([3.0, 4.0])
+    assert mla_decode_ab.compare(measure_side, sides, check=False, both_orders=False) == {
+        "base_us": 3.0, "ours_us": 4.0, "base/ours": 0.75}
+    assert calls == [("base", False), ("ours", False)]
