@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels bench bench-small tune-gemm tune-moe fp8-bench moe-bench producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels ncu bench bench-small tune-gemm tune-moe fp8-bench moe-bench producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
 #                                         bundle on PYTHONPATH), fp8-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8 sglang-e2e-w8-fused
 #                                         sglang-ct-e2e sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         refmodel (train the reference model; no engine needed),
@@ -25,6 +25,20 @@ for step in "$@"; do
       git rev-parse HEAD 2>/dev/null | tee -a "$out/card.txt" ;;
     kernels)
       python3 -m pytest -q -x tests/gpu -p no:warnings --durations=5 2>&1 | tail -n 30 | tee "$out/kernels.log" ;;
+    ncu)  # Nsight Compute over the decode and GEMM kernels (no engine needed): per-kernel details, raw
+      # metrics and per-SASS-instruction stall samples, packed into ncu.tgz (NCU_CASES overrides the cases)
+      cases=${NCU_CASES:-decode:e4m3:16:1:32768 decode:bf16:16:1:32768 decode:e4m3:16:2:32768 decode:e4m3:128:1:4096 decode:bf16:128:1:4096 gemm:4096:7168:2048}
+      ncu --profile-from-start off --clock-control none --set full --import-source no \
+        -k 'regex:mla_decode_split_kernel|gemm_kernel|gemm_sm90' -f -o /tmp/ncu-prof \
+        python3 -m benchmarks.ncu_cases $cases 2>&1 | tail -n 20 | tee "$out/ncu.log"
+      mkdir -p /tmp/ncu-out/src && echo "$cases" > /tmp/ncu-out/cases.txt
+      ncu --import /tmp/ncu-prof.ncu-rep --page details > /tmp/ncu-out/details.txt 2>&1
+      ncu --import /tmp/ncu-prof.ncu-rep --page raw --csv > /tmp/ncu-out/raw.csv 2>&1
+      i=0; for case in $cases; do
+        ncu --import /tmp/ncu-prof.ncu-rep --page source --csv --print-source sass --launch-skip $i --launch-count 1 \
+          > /tmp/ncu-out/src/src_$i.csv 2>&1; i=$((i + 1))
+      done
+      tar czf "$out/ncu.tgz" -C /tmp/ncu-out . ;;
     bench)
       python3 benchmarks/mla_decode.py --out "$out/mla_decode.json" 2>&1 | tee "$out/bench.log" | tail -n 80 ;;
     bench-small)  # issue #6's small batches (1 and 8, context 512-4k), as CUDA-graph replays; one process per

@@ -1,0 +1,97 @@
+"""Summarize an Nsight Compute run of ``benchmarks.ncu_cases`` (the folder ``run_h200.sh ncu``
+packs: ``cases.txt``, ``raw.csv`` from ``--page raw --csv``, ``src/src_N.csv`` from ``--page source
+--print-source sass --csv``): per kernel its time, DRAM read rate, shared-memory and issue use,
+the share of each stall reason among the warp samples, and the instructions with the most samples.
+
+    python3 -m benchmarks.ncu_summary ncu-out/ --out ncu-summary.json
+"""
+
+import argparse
+import csv
+import json
+from pathlib import Path
+
+METRICS = {
+    "duration_us": ("gpu__time_duration.sum", 1e3),  # reported in ms
+    "dram_read_TBps": ("dram__bytes_read.sum.per_second", 1.0),
+    "dram_read_pct_of_peak": ("dram__bytes_read.sum.pct_of_peak_sustained_elapsed", 1.0),
+    "smem_wavefront_pct": ("l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed", 1.0),
+    "lsu_pipe_pct": ("sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active", 1.0),
+    "issue_active_pct": ("smsp__issue_active.avg.pct_of_peak_sustained_active", 1.0),
+    "registers": ("launch__registers_per_thread", 1.0),
+    "grid": ("launch__grid_size", 1.0),
+}
+STALL_PREFIX = "smsp__pcsamp_warps_issue_stalled_"
+SAMPLES = "Warp Stall Sampling (All Samples)"
+
+
+def _number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def kernel_rows(raw_csv: Path) -> list[dict]:
+    """One dict per profiled kernel from ``--page raw --csv`` (a header row, a units row, then data)."""
+    rows = list(csv.reader(raw_csv.open()))
+    header, data = rows[0], rows[2:]
+    column = {name: i for i, name in enumerate(header)}
+    missing = [metric for metric, _ in METRICS.values() if metric not in column]
+    if missing:
+        raise ValueError(f"{raw_csv}: no column for {missing} (was the run made with --set full?)")
+    out = []
+    for values in data:
+        row = {"kernel": values[column["Kernel Name"]]}
+        row |= {key: round(_number(values[column[metric]]) * factor, 3) for key, (metric, factor) in METRICS.items()}
+        stalls = {name[len(STALL_PREFIX):]: _number(values[i]) for name, i in column.items()
+                  if name.startswith(STALL_PREFIX) and not name.endswith("_not_issued")}
+        total = sum(stalls.values()) or 1.0
+        row["stall_sample_share"] = {name: round(count / total, 3)
+                                     for name, count in sorted(stalls.items(), key=lambda item: -item[1])
+                                     if count / total >= 0.02}
+        out.append(row)
+    return out
+
+
+def hottest_instructions(source_csv: Path, count: int = 10) -> list[dict]:
+    """The ``count`` SASS instructions with the most warp samples, with their two main stall reasons
+    (``--page source --print-source sass --csv``: a kernel-name row, a header row, then one row per
+    instruction)."""
+    rows = list(csv.reader(source_csv.open()))
+    header, data = rows[1], rows[2:]
+    column = {name: i for i, name in enumerate(header)}
+    reasons = [name for name in header if name.startswith("stall_") and "Not Issued" not in name]
+    ranked = sorted(range(len(data)), key=lambda n: -_number(data[n][column[SAMPLES]]))[:count]
+    out = []
+    for n in ranked:
+        values = data[n]
+        top = sorted(((_number(values[column[r]]), r[len("stall_"):]) for r in reasons), reverse=True)[:2]
+        out.append({"index": n, "sass": values[column["Source"]].strip(), "samples": int(_number(values[column[SAMPLES]])),
+                    "stalls": {reason: int(samples) for samples, reason in top if samples}})
+    return out
+
+
+def summarize(folder: Path) -> list[dict]:
+    cases = (folder / "cases.txt").read_text().split()
+    kernels = kernel_rows(folder / "raw.csv")
+    if len(cases) != len(kernels):
+        raise ValueError(f"{folder}: {len(cases)} cases but {len(kernels)} profiled kernels")
+    summary = []
+    for n, (case, row) in enumerate(zip(cases, kernels)):
+        source = folder / "src" / f"src_{n}.csv"
+        summary.append({"case": case, **row,
+                        **({"hottest_sass": hottest_instructions(source)} if source.is_file() else {})})
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    text = json.dumps(summarize(args.folder), indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
