@@ -49,7 +49,8 @@ class HopperReport:
         return (f"registers {self.registers}, spills {self.spill_bytes} B, shared {self.shared_bytes // 1024} KiB, "
                 f"wgmma {self.wgmma}"
                 f"{' (serialized by ptxas)' if self.wgmma_serialized else ''}, "
-                f"async copies {self.async_copies}, TMA copies {self.tma_copies}, mma layouts {'; '.join(self.mma_layouts) or 'none'}")
+                f"async copies {self.async_copies}, TMA copies {self.tma_copies}, "
+                f"mma layouts {'; '.join(self.mma_layouts) or 'none'}")
 
 
 def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int, num_stages: int,
@@ -95,7 +96,8 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int,
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", verbose))
     layouts = tuple(sorted(set(re.findall(r"warpsPerCTA = \[\d+, \d+\], instrShape = \[[\d, ]+\]", ttgir))))
     return HopperReport(registers, spills, ptx.count("wgmma.mma_async"), ttgir.count("async_copy_global_to_local"),
-                        ttgir.count("async_tma_copy_global_to_local"), layouts, "wgmma.mma_async instructions are serialized" in verbose, compiled.metadata.shared)
+                        ttgir.count("async_tma_copy_global_to_local"), layouts,
+                        "wgmma.mma_async instructions are serialized" in verbose, compiled.metadata.shared)
 
 
 def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 64, varlen: bool = False,

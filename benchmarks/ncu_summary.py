@@ -64,7 +64,8 @@ def hottest_instructions(source_csv: Path, count: int = 10) -> list[dict]:
     for n in ranked:
         values = data[n]
         top = sorted(((_number(values[column[r]]), r[len("stall_"):]) for r in reasons), reverse=True)[:2]
-        out.append({"index": n, "sass": values[column["Source"]].strip(), "samples": int(_number(values[column[SAMPLES]])),
+        out.append({"index": n, "sass": values[column["Source"]].strip(),
+                    "samples": int(_number(values[column[SAMPLES]])),
                     "stalls": {reason: int(samples) for samples, reason in top if samples}})
     return out
 

@@ -28,8 +28,9 @@ wgmma's M and the query rows its N (one warpgroup, 4 warps):
   back to back by bulk tensor copies (TMA, five boxes a tile, one barrier a slot; the latent rows
   of a split's last tile past its keys are zeroed in shared memory; a slot is refilled once the
   column-max barrier of the next tile shows every thread done with it, which spares a barrier a
-  tile), others by ``cp.async`` per row. Nsight Compute on the H200 put 16 % of the fp8 kernel's stall samples on issuing 18
-  ``cp.async`` a thread a tile (``benchmarks/results/ncu-decode-gemm-2026-12-02.json``).
+  tile), others by ``cp.async`` per row. Nsight Compute on the H200 put 16 % of the fp8 kernel's
+  stall samples on issuing 18 ``cp.async`` a thread a tile
+  (``benchmarks/results/ncu-decode-gemm-2026-12-02.json``).
 
 Shared memory at ``BLOCK_N = 64``: bf16 queries 18 KiB (32 rows: 36), two tiles 144 KiB, one
 program per multiprocessor; fp8 queries 9 KiB (32 rows: 18), two tiles 72 KiB, two programs per
@@ -97,9 +98,9 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.floa
 
 def tma_options(cache: torch.Tensor) -> dict:
     """The launch's bulk-copy arguments for a paged fp8 cache ``[N_blocks, B_page, D]`` whose pages
-    lie back to back, 16-byte aligned (``USE_TMA_FP8``): two descriptors over its rows, boxes of ``BLOCK_N`` rows by
-    128 bytes (latent part) and by the RoPE part, in the shared layouts of the kernel's tiles. Else
-    none (the kernel copies rows with ``cp.async``)."""
+    lie back to back, 16-byte aligned (``USE_TMA_FP8``): two descriptors over its rows, boxes of
+    ``BLOCK_N`` rows by 128 bytes (latent part) and by the RoPE part, in the shared layouts of the
+    kernel's tiles. Else none (the kernel copies rows with ``cp.async``)."""
     blocks, page, width = cache.shape
     if (not USE_TMA_FP8 or cache.dtype not in FP8_DTYPES or cache.stride(0) != page * cache.stride(1)
             or cache.stride(2) != 1 or cache.data_ptr() % 16 or cache.stride(1) * cache.element_size() % 16):

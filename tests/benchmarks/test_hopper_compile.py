@@ -41,7 +41,8 @@ def test_every_kernel_compiles_for_hopper():
                            "other instructions touch an in-flight accumulator)"
     # 16 heads over a paged fp8 cache: the narrow kernel's tiles come by bulk tensor copies, one box
     # of 64 rows by 128 bytes for each quarter of the latent part and one for the RoPE part
-    for label in ("decode, 16 heads, e4m3", "decode, 16 heads, e4m3, 2 tokens", "decode, 16 heads, e4m3, extend prefix"):
+    for label in ("decode, 16 heads, e4m3", "decode, 16 heads, e4m3, 2 tokens",
+                  "decode, 16 heads, e4m3, extend prefix"):
         assert reports[label]["tma_copies"] == 2 * 5 and reports[label]["async_copies"] == 0, label
     assert reports["decode, 16 heads, bf16"]["tma_copies"] == 0 < reports["decode, 16 heads, bf16"]["async_copies"]
     # 64-row groups over a paged cache compile decode_sm90_seesaw: each warpgroup its own partition
