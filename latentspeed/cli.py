@@ -140,13 +140,16 @@ def _decode_kernel(gpu: dict) -> str:
     """Which MLA decode kernel runs here, and why."""
     import torch
 
+    from common_kernels.mla import decode_sm90_narrow
     from common_kernels.mla.decode import sm90_kernel_enabled
 
     if not gpu["available"]:
         return "Triton (no GPU: the interpreter, with TRITON_INTERPRET=1)"
     if sm90_kernel_enabled(torch.device("cuda", 0)):
+        tiles = ("fp8 tiles by TMA" if os.environ.get(decode_sm90_narrow.TMA_ENV, "1") != "0"
+                 else f"cp.async tiles, {decode_sm90_narrow.TMA_ENV}=0")
         return ("Gluon sm_90 kernels over paged caches with 64-token pages (decode_sm90_seesaw for 64-row "
-                "groups, decode_sm90_narrow for 16 and 32), Triton for the rest")
+                f"groups, decode_sm90_narrow for 16 and 32: {tiles}), Triton for the rest")
     if gpu["capability"] == "9.0":
         return "Triton (LATENTSPEED_MLA_DECODE_SM90=0)"
     return f"Triton (the Gluon kernel needs sm_90; this GPU is sm_{gpu['capability'].replace('.', '')})"

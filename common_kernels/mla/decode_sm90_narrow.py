@@ -41,6 +41,8 @@ widening buffer at one query token. (64-row groups with two warpgroups of 32 row
 ``benchmarks/results/mla_decode-sm90-narrow64-2026-12-02.md``.)
 """
 
+import os
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -78,6 +80,7 @@ NUM_BUFS = 2
 # max another 1.02-1.04x and 1.08-1.12x (benchmarks/results/mla_decode-sm90-narrow-tma-2026-12-02.md);
 # 16-bit caches keep cp.async (0.97-1.00x with TMA, already at the card's bandwidth).
 USE_TMA_FP8 = 1
+TMA_ENV = "LATENTSPEED_MLA_DECODE_TMA"  # "0": cp.async for every cache
 PROGRAMS_PER_SM_FP8 = 2  # fp8 caches: 83 KiB of shared memory (32 rows: 94) and 255 registers a thread
 
 
@@ -100,9 +103,10 @@ def tma_options(cache: torch.Tensor) -> dict:
     """The launch's bulk-copy arguments for a paged fp8 cache ``[N_blocks, B_page, D]`` whose pages
     lie back to back, 16-byte aligned (``USE_TMA_FP8``): two descriptors over its rows, boxes of
     ``BLOCK_N`` rows by 128 bytes (latent part) and by the RoPE part, in the shared layouts of the
-    kernel's tiles. Else none (the kernel copies rows with ``cp.async``)."""
+    kernel's tiles. Else, or with ``LATENTSPEED_MLA_DECODE_TMA=0``, none (the kernel copies rows
+    with ``cp.async``)."""
     blocks, page, width = cache.shape
-    if (not USE_TMA_FP8 or cache.dtype not in FP8_DTYPES or cache.stride(0) != page * cache.stride(1)
+    if (not USE_TMA_FP8 or os.environ.get(TMA_ENV, "1") == "0" or cache.dtype not in FP8_DTYPES or cache.stride(0) != page * cache.stride(1)
             or cache.stride(2) != 1 or cache.data_ptr() % 16 or cache.stride(1) * cache.element_size() % 16):
         return {}
     rows = cache.as_strided((blocks * page, width), (cache.stride(1), 1))

@@ -295,10 +295,11 @@ def test_sm90_kernel_routing():
         assert sm90_kernel_for(*shape) is None, shape
 
 
-def test_narrow_kernel_bulk_copies_only_contiguous_fp8_pages():
+def test_narrow_kernel_bulk_copies_only_contiguous_fp8_pages(monkeypatch):
     """The narrow kernel's TMA tiles (``tma_options``): fp8 caches whose pages lie back to back get
     descriptors over the cache rows (boxes of 64 rows by 128 bytes and by the RoPE part); 16-bit
-    caches and caches with gaps between pages or rows not 16-byte aligned keep ``cp.async``."""
+    caches, caches with gaps between pages or rows not 16-byte aligned, and
+    ``LATENTSPEED_MLA_DECODE_TMA=0`` keep ``cp.async``."""
     from common_kernels.mla import decode_sm90_narrow
 
     for page in (64, 128):
@@ -314,6 +315,8 @@ def test_narrow_kernel_bulk_copies_only_contiguous_fp8_pages():
             assert decode_sm90_narrow.tma_options(gapped) == {}
             assert decode_sm90_narrow.tma_options(torch.zeros(6, page, 584, dtype=dtype)[..., :576]) == {}
         assert decode_sm90_narrow.tma_options(torch.zeros(6, page, 576, dtype=torch.bfloat16)) == {}
+    monkeypatch.setenv(decode_sm90_narrow.TMA_ENV, "0")
+    assert decode_sm90_narrow.tma_options(torch.zeros(6, 64, 576, dtype=torch.float8_e4m3fn)) == {}
 
 
 @pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())
