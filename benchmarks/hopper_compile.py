@@ -64,10 +64,10 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int,
     signature type of any other (a tensor descriptor: ``triton.runtime.jit.mangle_type`` of one).
     """
     typed = typed or {}
-    params = [name for name in inspect.signature(kernel.fn).parameters
-              if name in pointers or name in floats or name in constexprs or name in typed
-              or inspect.signature(kernel.fn).parameters[name].default is inspect.Parameter.empty]
-    unknown = set(pointers) | set(floats) | set(constexprs) | set(unaligned) | set(typed)
+    given = set(pointers) | set(floats) | set(constexprs) | set(typed)
+    params = [name for name, param in inspect.signature(kernel.fn).parameters.items()
+              if name in given or param.default is inspect.Parameter.empty]  # optional ones only if given
+    unknown = given | set(unaligned)
     if not unknown <= set(params):
         raise ValueError(f"{kernel.fn.__name__} has no argument(s) {sorted(unknown - set(params))}")
     signature = {}

@@ -95,8 +95,8 @@ def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, 
             and page_size % BLOCK_N == 0 and (d_latent, d_rope) == (D_LATENT, D_ROPE))
 
 
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
-              torch.float8_e5m2: gl.float8e5}
+_GL_FP8 = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
+TMA_BOX = 128  # latent columns a box: 128 bytes of fp8, the 128-byte swizzle's width
 
 
 def tma_options(cache: torch.Tensor) -> dict:
@@ -110,12 +110,11 @@ def tma_options(cache: torch.Tensor) -> dict:
             or cache.stride(2) != 1 or cache.data_ptr() % 16 or cache.stride(1) * cache.element_size() % 16):
         return {}
     rows = cache.as_strided((blocks * page, width), (cache.stride(1), 1))
-    dtype = _GL_DTYPES[cache.dtype]
-    box = 128 // cache.element_size()
+    dtype = _GL_FP8[cache.dtype]
     latent = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], dtype)
     rope = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], dtype)
-    return dict(kc_desc=TensorDescriptor.from_tensor(rows, [BLOCK_N, box], latent),
-                kp_desc=TensorDescriptor.from_tensor(rows, [BLOCK_N, D_ROPE], rope), TMA_BOX=box)
+    return dict(kc_desc=TensorDescriptor.from_tensor(rows, [BLOCK_N, TMA_BOX], latent),
+                kp_desc=TensorDescriptor.from_tensor(rows, [BLOCK_N, D_ROPE], rope), TMA_BOX=TMA_BOX)
 
 
 @gluon.jit
