@@ -1,8 +1,11 @@
-"""What rounding ``P`` to E4M3 for an fp8 ``P V`` would add to the fp8 decode's error, on the CPU:
-the relative error against fp32 attention of (a) E4M3 queries (what the sm_90 kernels do over fp8
-caches), (b) E4M3 queries and ``P`` scaled by 256 then rounded to E4M3, (c) ``P`` alone, on
-``benchmarks.mla_decode``'s input distribution (cache N(0, 0.25) in E4M3, bf16 queries N(0, 1)),
-with the softmax sharpened by multiplying the logits by ``--sharpen``.
+"""What rounding ``P`` to E4M3 (the narrow decode kernel's fp8 ``P V`` over E4M3 caches,
+``DecodePlan.fp8_probs``) adds to the fp8 decode's error, on the CPU, with the references'
+arithmetic (``reference.quantize_query_rows``, ``reference.fp8_probs_weights``): the relative error
+of (a) E4M3 queries (what the sm_90 kernels do over fp8 caches), (b) E4M3 queries and ``P``,
+(c) ``P`` alone, against fp32 attention on the same E4M3 cache, and of the E4M3 cache itself and
+(a), (b) against fp32 attention on the bf16 cache the E4M3 one was rounded from. Inputs as
+``benchmarks.mla_decode``'s (cache N(0, 0.25), bf16 queries N(0, 1)), the softmax sharpened by
+multiplying the logits by ``--sharpen``.
 
     python3 -m benchmarks.fp8_p_error --heads 16 --ctx 4096 --sharpen 1 4
 """
@@ -13,31 +16,32 @@ import json
 import torch
 
 from benchmarks.mla_decode import D_LATENT, D_ROPE, SCALE
-from common_kernels.mla.reference import quantize_query_rows
-
-P_SCALE = 256.0
+from common_kernels.mla.reference import fp8_probs_weights, quantize_query_rows
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, round_p: bool) -> torch.Tensor:
+def attention(q: torch.Tensor, keys: torch.Tensor, fp8_probs: bool) -> torch.Tensor:
     """Absorbed MLA decode for one token a request: ``q [B, H, D_LATENT + D_ROPE]``, ``keys [B, N, same]``."""
     s = torch.einsum("bhd,bnd->bhn", q, keys) * SCALE
-    p = torch.exp(s - s.amax(-1, keepdim=True))
-    pv = (p * P_SCALE).to(torch.float8_e4m3fn).float() / P_SCALE if round_p else p
-    return torch.einsum("bhn,bnd->bhd", pv, keys[..., :D_LATENT]) / p.sum(-1, keepdim=True)
+    weights = fp8_probs_weights(s) if fp8_probs else torch.softmax(s, dim=-1)
+    return torch.einsum("bhn,bnd->bhd", weights, keys[..., :D_LATENT])
 
 
 def errors(batch: int, heads: int, ctx: int, sharpen: float, seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    keys = (torch.randn(batch, ctx, D_LATENT + D_ROPE, generator=gen) * 0.5).to(torch.float8_e4m3fn).float()
+    keys_bf16 = (torch.randn(batch, ctx, D_LATENT + D_ROPE, generator=gen) * 0.5).to(torch.bfloat16).float()
+    keys = keys_bf16.to(torch.float8_e4m3fn).float()
     q = torch.randn(batch, heads, D_LATENT + D_ROPE, generator=gen).to(torch.bfloat16).float() * sharpen
     q8 = torch.cat(quantize_query_rows(q[..., :D_LATENT], q[..., D_LATENT:]), -1)
-    ref = attention(q, keys, round_p=False)
+    ref, ref_bf16 = attention(q, keys, False), attention(q, keys_bf16, False)
+    queries, queries_and_p = attention(q8, keys, False), attention(q8, keys, True)
 
-    def rel(out):
-        return ((out - ref).norm() / ref.norm()).item()
+    def rel(out, against):
+        return ((out - against).norm() / against.norm()).item()
 
-    return {"heads": heads, "ctx": ctx, "sharpen": sharpen, "e4m3_queries": rel(attention(q8, keys, False)),
-            "e4m3_queries_and_p": rel(attention(q8, keys, True)), "e4m3_p_only": rel(attention(q, keys, True))}
+    return {"heads": heads, "ctx": ctx, "sharpen": sharpen, "e4m3_queries": rel(queries, ref),
+            "e4m3_queries_and_p": rel(queries_and_p, ref), "e4m3_p_only": rel(attention(q, keys, True), ref),
+            "vs_bf16_cache": {"e4m3_cache": rel(ref, ref_bf16), "e4m3_cache_and_queries": rel(queries, ref_bf16),
+                              "e4m3_cache_queries_and_p": rel(queries_and_p, ref_bf16)}}
 
 
 def main() -> None:

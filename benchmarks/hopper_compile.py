@@ -120,7 +120,7 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
         maxnreg = module.MAXNREG
     elif module is not None:
         kernel, block_n, num_warps = module.mla_decode_split_kernel_sm90_narrow, module.BLOCK_N, module.NUM_WARPS
-        extra = dict(NUM_BUFS=module.NUM_BUFS)
+        extra = dict(NUM_BUFS=module.NUM_BUFS, FP8_PV=plan.fp8_probs(keys_dtype))
         tma = module.tma_options(torch.empty(4, page, 576, dtype=keys_dtype)) if not keys_dense else {}
         if tma:
             extra["TMA_BOX"] = tma.pop("TMA_BOX")

@@ -11,15 +11,19 @@ import csv
 import json
 from pathlib import Path
 
+# ncu picks each value's unit (the units row): a kernel of 82 us is reported in us, one of 612 us in ms
+MICROSECONDS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
+                "s": 1e6, "second": 1e6}
+TERABYTES_PER_S = {"Tbyte/s": 1.0, "Gbyte/s": 1e-3, "Mbyte/s": 1e-6}
 METRICS = {
-    "duration_us": ("gpu__time_duration.sum", 1e3),  # reported in ms
-    "dram_read_TBps": ("dram__bytes_read.sum.per_second", 1.0),
-    "dram_read_pct_of_peak": ("dram__bytes_read.sum.pct_of_peak_sustained_elapsed", 1.0),
-    "smem_wavefront_pct": ("l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed", 1.0),
-    "lsu_pipe_pct": ("sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active", 1.0),
-    "issue_active_pct": ("smsp__issue_active.avg.pct_of_peak_sustained_active", 1.0),
-    "registers": ("launch__registers_per_thread", 1.0),
-    "grid": ("launch__grid_size", 1.0),
+    "duration_us": ("gpu__time_duration.sum", MICROSECONDS),
+    "dram_read_TBps": ("dram__bytes_read.sum.per_second", TERABYTES_PER_S),
+    "dram_read_pct_of_peak": ("dram__bytes_read.sum.pct_of_peak_sustained_elapsed", None),
+    "smem_wavefront_pct": ("l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed", None),
+    "lsu_pipe_pct": ("sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active", None),
+    "issue_active_pct": ("smsp__issue_active.avg.pct_of_peak_sustained_active", None),
+    "registers": ("launch__registers_per_thread", None),
+    "grid": ("launch__grid_size", None),
 }
 STALL_PREFIX = "smsp__pcsamp_warps_issue_stalled_"
 SAMPLES = "Warp Stall Sampling (All Samples)"
@@ -29,18 +33,28 @@ def _number(text: str) -> float:
     return float(text.replace(",", ""))
 
 
+def _factor(units: dict | None, unit: str, metric: str) -> float:
+    """What turns a value in ``unit`` into the summary's unit (``units`` None: taken as it is)."""
+    if units is None:
+        return 1.0
+    if unit not in units:
+        raise ValueError(f"{metric}: unit {unit!r} not one of {sorted(units)}")
+    return units[unit]
+
+
 def kernel_rows(raw_csv: Path) -> list[dict]:
     """One dict per profiled kernel from ``--page raw --csv`` (a header row, a units row, then data)."""
     rows = list(csv.reader(raw_csv.open()))
-    header, data = rows[0], rows[2:]
+    header, unit_row, data = rows[0], rows[1], rows[2:]
     column = {name: i for i, name in enumerate(header)}
     missing = [metric for metric, _ in METRICS.values() if metric not in column]
     if missing:
         raise ValueError(f"{raw_csv}: no column for {missing} (was the run made with --set full?)")
+    factors = {key: _factor(units, unit_row[column[metric]], metric) for key, (metric, units) in METRICS.items()}
     out = []
     for values in data:
         row = {"kernel": values[column["Kernel Name"]]}
-        row |= {key: round(_number(values[column[metric]]) * factor, 3) for key, (metric, factor) in METRICS.items()}
+        row |= {key: round(_number(values[column[metric]]) * factors[key], 3) for key, (metric, _) in METRICS.items()}
         stalls = {name[len(STALL_PREFIX):]: _number(values[i]) for name, i in column.items()
                   if name.startswith(STALL_PREFIX) and not name.endswith("_not_issued")}
         total = sum(stalls.values()) or 1.0

@@ -297,6 +297,11 @@ class DecodePlan:
         with row groups of 64, or any row group on sm_90's kernels."""
         return cache_dtype in FP8_DTYPES and (self.block_rows >= MAX_BLOCK_ROWS or self.sm90)
 
+    def fp8_probs(self, cache_dtype: torch.dtype) -> bool:
+        """Whether ``P V`` runs in fp8 (``P`` rounded to E4M3) over a paged cache: E4M3 caches in
+        sm_90's row groups of 16 and 32 (``decode_sm90_narrow.fp8_pv``)."""
+        return self.sm90 and self.block_rows < MAX_BLOCK_ROWS and decode_sm90_narrow.fp8_pv(cache_dtype)
+
     @property
     def row_groups(self) -> int:
         return triton.cdiv(self.num_heads * self.q_len, self.block_rows)
@@ -596,7 +601,7 @@ def _launch_split(q_nope, q_pe, keys, block_table, seq_lens, kv_scale, tree_mask
     elif module is decode_sm90_narrow:
         kernel, block_n = decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow, decode_sm90_narrow.BLOCK_N
         options = dict(NUM_BUFS=decode_sm90_narrow.NUM_BUFS, num_warps=decode_sm90_narrow.NUM_WARPS,
-                       **decode_sm90_narrow.tma_options(keys))
+                       FP8_PV=plan.fp8_probs(keys.dtype), **decode_sm90_narrow.tma_options(keys))
     else:
         kernel = _mla_decode_split_kernel
         block_n, num_warps, num_stages = _launch_config(plan.block_rows, page_size, is_fp8)

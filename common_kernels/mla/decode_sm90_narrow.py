@@ -3,7 +3,8 @@
 Same contract, arguments and partial outputs as ``decode._mla_decode_split_kernel`` (the module
 docstring of ``decode`` has the formula), for the launches it takes: ``BLOCK_R`` of 16 or 32
 rows, ``D_latent = 512``, ``D_rope = 64``, a paged cache (bf16/fp16, or fp8 with E4M3 queries,
-``DecodePlan.fp8_queries``; no dense keys). ``decode.mla_decode`` sends those launches here on an
+``DecodePlan.fp8_queries``, over E4M3 with ``P`` rounded to E4M3 too, ``DecodePlan.fp8_probs``; no
+dense keys). ``decode.mla_decode`` sends those launches here on an
 sm_90 GPU when the plan was made for it (``plan_decode(..., sm90=True)``).
 
 Why: wgmma's M is 64, so a 64-row kernel (``decode_sm90_seesaw``) run on 16 rows computes 48 rows of
@@ -17,13 +18,22 @@ wgmma's M and the query rows its N (one warpgroup, 4 warps):
   end;
 - ``P^T`` goes to shared memory in the ``P V`` operand type;
 - ``O^T = V^T P^T``: ``[D_latent, BLOCK_R]`` fp32 in four accumulators of ``V_CHUNK`` latent
-  rows, ``V^T`` the tile's latent part read transposed from shared memory by wgmma (bf16/fp16),
-  or for fp8 caches loaded into registers and widened to fp16 there (exact; an fp8 wgmma operand
-  in shared memory must be K-major, and widening into a shared buffer cost as much as the halved
-  read saved). At 32 fp8 rows only two ``V^T`` chunks are in flight (chunk c is waited for before
-  c + 2 is issued): with four, the accumulators and operands outgrow the registers and ptxas
-  serializes every wgmma (C7511); two were 1.18-1.22x faster on the H200 (2026-12-01, ninth
-  session);
+  rows, ``V^T`` the tile's latent part read transposed from shared memory by wgmma (bf16/fp16).
+  An fp8 wgmma operand in shared memory must be K-major, so fp8 ``V^T`` comes from registers:
+  over E4M3 caches (``FP8_PV``) in fp8, ``P^T`` rounded to E4M3 after scaling by ``P_SCALE``,
+  relative to a whole power-of-two shift (the column maximum rounded up), so that the rounding
+  does not depend on which running or per-split maximum the shift came from
+  (``reference.fp8_probs_weights``); ``V^T`` is loaded four latent bytes a word with its rows
+  reordered (``_v_row_latent``) so that no bytes move between threads. 1.00-1.16x faster at one
+  query token and 1.07-1.20x at two than the fp16 ``P V`` (H200, both orders,
+  ``benchmarks/results/mla_decode-sm90-narrow-fp8pv-2026-12-03.md``), for about 1.4-2.5e-2 more
+  relative error. Otherwise (E5M2, whose ``V`` by E4M3 ``P`` does not lower, or
+  ``LATENTSPEED_MLA_DECODE_FP8_PV=0``) ``V^T`` is loaded a byte at a time and widened to fp16
+  (exact; word loads with the reordering were 0.89-1.00x, widening into a shared buffer cost as
+  much as the halved read saved). There, at 32 rows, only two ``V^T`` chunks are in flight (chunk
+  c is waited for before c + 2 is issued): with four, the accumulators and operands outgrow the
+  registers and ptxas serializes every wgmma (C7511); two were 1.18-1.22x faster on the H200
+  (2026-12-01, ninth session);
 - cache tiles into a ring of ``NUM_BUFS`` buffers (``sm90_common``): fp8 caches whose pages lie
   back to back by bulk tensor copies (TMA, five boxes a tile, one barrier a slot; the latent rows
   of a split's last tile past its keys are zeroed in shared memory; a slot is refilled once the
@@ -81,12 +91,22 @@ NUM_BUFS = 2
 # 16-bit caches keep cp.async (0.97-1.00x with TMA, already at the card's bandwidth).
 USE_TMA_FP8 = 1
 TMA_ENV = "LATENTSPEED_MLA_DECODE_TMA"  # "0": cp.async for every cache
-PROGRAMS_PER_SM_FP8 = 2  # fp8 caches: 83 KiB of shared memory (32 rows: 94) and 255 registers a thread
+USE_FP8_PV = 1
+FP8_PV_ENV = "LATENTSPEED_MLA_DECODE_FP8_PV"  # "0": P V in fp16 (V widened) for E4M3 caches too
+P_SCALE = gl.constexpr(256.0)  # P in [0, 1] to [0, 256]: E4M3's normal range, below its maximum of 448
+PROGRAMS_PER_SM_FP8 = 2  # fp8 caches: 83 KiB of shared memory (32 rows: 94), 203-255 registers a thread
 
 
 def programs_per_sm(block_rows: int, fp8: bool) -> int:
     """Programs a multiprocessor holds: two of this kernel's fp8 launches, else one (the registers)."""
     return PROGRAMS_PER_SM_FP8 if fp8 and block_rows in BLOCK_ROWS else 1
+
+
+def fp8_pv(cache_dtype: torch.dtype) -> bool:
+    """Whether this kernel runs ``P V`` in fp8 over a cache of that dtype (E4M3 caches, unless
+    ``LATENTSPEED_MLA_DECODE_FP8_PV=0``): ``P`` relative to a whole power-of-two shift, times
+    ``P_SCALE``, rounded to E4M3 (``reference.mla_decode_ref(..., fp8_probs=True)``)."""
+    return bool(USE_FP8_PV) and cache_dtype == torch.float8_e4m3fn and os.environ.get(FP8_PV_ENV, "1") != "0"
 
 
 def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, d_latent: int, d_rope: int) -> bool:
@@ -118,17 +138,35 @@ def tma_options(cache: torch.Tensor) -> dict:
 
 
 @gluon.jit
-def _pv(tile, c: gl.constexpr, p_smem, acc, IS_FP8: gl.constexpr, v_ops: gl.constexpr):
-    """Start ``acc += V^T P^T`` for latent rows ``[c * V_CHUNK, (c + 1) * V_CHUNK)`` of the cache
-    ``tile``: ``V^T`` read transposed from shared memory by wgmma, or (fp8 tiles) loaded into
-    registers and widened to fp16 there. Returns the accumulator and ``V^T``'s operand (which must
-    stay alive until the wgmma is waited for)."""
+def _pv(tile, c: gl.constexpr, p_op, acc, IS_FP8: gl.constexpr, FP8_PV: gl.constexpr, v_ops: gl.constexpr,
+        v_words: gl.constexpr):
+    """Start ``acc += V^T P^T`` for latent chunk ``c`` (``V_CHUNK`` columns) of the cache ``tile``.
+    16-bit tiles: ``V^T`` read transposed from shared memory by wgmma. fp8 tiles: ``V^T`` loaded
+    into registers, with ``FP8_PV`` four latent bytes a word (``v_words``), its rows reordered
+    (``_v_row_latent``) so that the words need no exchange between threads and used as they are,
+    else a byte a load and widened to fp16. Returns the accumulator and ``V^T``'s operand (alive
+    until the wgmma is waited for)."""
+    if FP8_PV:
+        keys: gl.constexpr = tile.shape[0]
+        v = tile.slice(c * V_CHUNK, V_CHUNK, dim=1).load(v_words)  # [keys, V_CHUNK latent]
+        v = gl.permute(gl.reshape(v, [keys, 2, 2, 2, 2, 2, 2, 2]), [6, 1, 2, 7, 3, 4, 5, 0])
+        v_regs = gl.convert_layout(gl.reshape(v, [V_CHUNK, keys]), v_ops)
+        return warpgroup_mma(v_regs, p_op, acc, is_async=True), v_regs
     v_t = tile.slice(c * V_CHUNK, V_CHUNK, dim=1).permute([1, 0])
     if IS_FP8:
-        v_regs = v_t.load(v_ops).to(p_smem.dtype)
-        return warpgroup_mma(v_regs, p_smem, acc, is_async=True), v_regs
+        v_regs = v_t.load(v_ops).to(p_op.dtype)
+        return warpgroup_mma(v_regs, p_op, acc, is_async=True), v_regs
     else:
-        return warpgroup_mma(v_t, p_smem, acc, is_async=True), v_t
+        return warpgroup_mma(v_t, p_op, acc, is_async=True), v_t
+
+
+@gluon.jit
+def _v_row_latent(m):
+    """The latent column (within its chunk) of row ``m`` of an fp8 tile's ``V^T`` operand: bits
+    (low first) ``m0 m1 m2 m3 m4 m5 m6`` hold latent bits ``l2 l3 l4 l0 l5 l6 l1``, so that each
+    thread's four rows (``m``, ``m + 8``, ``m + 64``, ``m + 72``) are four adjacent bytes of a key's
+    row."""
+    return ((m >> 3) & 1) | (((m >> 6) & 1) << 1) | ((m & 7) << 2) | (((m >> 4) & 3) << 5)
 
 
 @gluon.jit
@@ -143,9 +181,12 @@ def _column_max(s, max_smem, BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr, mma_s
 
 
 @gluon.jit
-def _store_out(out, c: gl.constexpr, out_rows, out_mask, mma_o: gl.constexpr):
-    """Latent rows ``[c * V_CHUNK, (c + 1) * V_CHUNK)`` of ``O^T`` to the output rows."""
-    offs_co = c * V_CHUNK + gl.arange(0, V_CHUNK, layout=gl.SliceLayout(1, mma_o))
+def _store_out(out, c: gl.constexpr, out_rows, out_mask, mma_o: gl.constexpr, FP8_PV: gl.constexpr):
+    """Chunk ``c`` of ``O^T`` to the output rows (``FP8_PV``: its rows in ``_v_row_latent``'s order)."""
+    offs_co = gl.arange(0, V_CHUNK, layout=gl.SliceLayout(1, mma_o))
+    if FP8_PV:
+        offs_co = _v_row_latent(offs_co)
+    offs_co += c * V_CHUNK
     gl.store(out_rows + offs_co[:, None], out.to(out_rows.dtype.element_ty), mask=out_mask)
 
 
@@ -192,6 +233,7 @@ def mla_decode_split_kernel_sm90_narrow(
     kc_desc=None,
     kp_desc=None,
     TMA_BOX: gl.constexpr = 0,
+    FP8_PV: gl.constexpr = False,
 ):
     gl.static_assert(IS_FP8 == FP8_QUERIES and not KEYS_DENSE, "paged caches; fp8 ones with fp8 queries")
     gl.static_assert((BLOCK_R == 16 or BLOCK_R == 32) and PAGE_SIZE % BLOCK_N == 0 and NUM_BUFS >= 2)
@@ -199,14 +241,15 @@ def mla_decode_split_kernel_sm90_narrow(
     dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
     key_ty: gl.constexpr = cache_ptr.dtype.element_ty
     qk_ty: gl.constexpr = gl.float8e4nv if IS_FP8 else dtype
-    pv_ty: gl.constexpr = gl.float16 if IS_FP8 else dtype
+    gl.static_assert(not FP8_PV or key_ty == gl.float8e4nv, "fp8 P V: E4M3 caches (E5M2 V by E4M3 P does not lower)")
+    pv_ty: gl.constexpr = gl.float8e4nv if FP8_PV else (gl.float16 if IS_FP8 else dtype)
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     ld_keys: gl.constexpr = (gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0]) if IS_FP8
                              else ld_layout)
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_R, 32 if IS_FP8 else 16])
     mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, BLOCK_R, 16])
+                                                    instr_shape=[16, BLOCK_R, 32 if FP8_PV else 16])
     cols_s: gl.constexpr = gl.SliceLayout(0, mma_s)  # per query row (a column of S^T)
     cols_o: gl.constexpr = gl.SliceLayout(0, mma_o)
 
@@ -230,8 +273,14 @@ def mla_decode_split_kernel_sm90_narrow(
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], key_ty))
     kp_ring = gl.allocate_shared_memory(key_ty, [NUM_BUFS, BLOCK_N, D_ROPE],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], key_ty))
-    p_smem = gl.allocate_shared_memory(pv_ty, [BLOCK_N, BLOCK_R],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], pv_ty))
+    if FP8_PV:  # an fp8 wgmma operand in shared memory is K-major: P, read as P^T
+        p_smem = gl.allocate_shared_memory(pv_ty, [BLOCK_R, BLOCK_N],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], pv_ty))
+        p_op = p_smem.permute([1, 0])
+    else:
+        p_smem = gl.allocate_shared_memory(pv_ty, [BLOCK_N, BLOCK_R],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], pv_ty))
+        p_op = p_smem
     max_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_R], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
 
     # Column (query row) visibility: causal bound, or tree mask bits.
@@ -257,7 +306,12 @@ def mla_decode_split_kernel_sm90_narrow(
     acc1 = gl.zeros([V_CHUNK, BLOCK_R], gl.float32, layout=mma_o)
     acc2 = gl.zeros([V_CHUNK, BLOCK_R], gl.float32, layout=mma_o)
     acc3 = gl.zeros([V_CHUNK, BLOCK_R], gl.float32, layout=mma_o)
-    v_ops: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
+    v_ops: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=4 if FP8_PV else 2)
+    # FP8_PV: V tiles [keys, latent] as v_ops holds them after _pv's reordering, four latent bytes a word
+    v_words: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [16, 0], [32, 0]],
+        lane_bases=[[4, 0], [8, 0], [0, 4], [0, 8], [0, 16]],
+        warp_bases=[[0, 32], [0, 64]], block_bases=[], shape=[BLOCK_N, V_CHUNK])
     s_zero = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, layout=mma_s)
     offs_key = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
@@ -285,6 +339,8 @@ def mla_decode_split_kernel_sm90_narrow(
             seen = (offs_n < end)[:, None] & (offs_n[:, None] < visible[None, :])
         s = gl.where(seen, s * score_scale, float("-inf"))
         m_new = gl.maximum(m_i, _column_max(s, max_smem, BLOCK_N, BLOCK_R, mma_s))
+        if FP8_PV:  # a whole shift: P's E4M3 rounding is then that of P relative to the final shift
+            m_new = gl.ceil(m_new)
         if TMA_BOX:
             page = _refill_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, i, page, start, end, bt_row, PAGE_SIZE,
                                BLOCK_N, D_LATENT, NUM_BUFS, TMA_BOX)
@@ -294,21 +350,35 @@ def mla_decode_split_kernel_sm90_narrow(
         l_tile = l_tile * alpha[None, :] + p
         m_i = m_new
 
-        p_smem.store(p.to(pv_ty))
+        if FP8_PV:
+            p_smem.store(gl.permute((p * P_SCALE).to(pv_ty), [1, 0]))
+        else:
+            p_smem.store(p.to(pv_ty))
         fence_async_shared()
         gl.thread_barrier()  # all of P^T is written before the warpgroup reads it
         alpha_o = gl.convert_layout(alpha, cols_o)[None, :]
-        acc0, v0 = _pv(kc, 0, p_smem, acc0 * alpha_o, IS_FP8, v_ops)
-        acc1, v1 = _pv(kc, 1, p_smem, acc1 * alpha_o, IS_FP8, v_ops)
-        if IS_FP8 and BLOCK_R == 32:  # two V^T chunks in flight: four do not fit the registers at 32 rows
+        acc0, v0 = _pv(kc, 0, p_op, acc0 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
+        acc1, v1 = _pv(kc, 1, p_op, acc1 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
+        if FP8_PV and BLOCK_R == 32:
+            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=[acc0])
+            acc2, v2 = _pv(kc, 2, p_op, acc2 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
+            acc1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc1])
+            acc3, v3 = _pv(kc, 3, p_op, acc3 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
+            acc2, acc3, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc2, acc3, p_smem, kc])
+        elif FP8_PV:  # 8-bit operands cannot be wait dependencies; ptxas keeps their registers until the wait
+            acc2, v2 = _pv(kc, 2, p_op, acc2 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
+            acc3, v3 = _pv(kc, 3, p_op, acc3 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
+            acc0, acc1, acc2, acc3, _, _ = warpgroup_mma_wait(num_outstanding=0,
+                                                              deps=[acc0, acc1, acc2, acc3, p_smem, kc])
+        elif IS_FP8 and BLOCK_R == 32:  # two V^T chunks in flight: four do not fit the registers at 32 rows
             acc0, v0 = warpgroup_mma_wait(num_outstanding=1, deps=[acc0, v0])
-            acc2, v2 = _pv(kc, 2, p_smem, acc2 * alpha_o, IS_FP8, v_ops)
+            acc2, v2 = _pv(kc, 2, p_op, acc2 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
             acc1, v1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc1, v1])
-            acc3, v3 = _pv(kc, 3, p_smem, acc3 * alpha_o, IS_FP8, v_ops)
+            acc3, v3 = _pv(kc, 3, p_op, acc3 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
             acc2, acc3, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc2, acc3, p_smem, kc, v2, v3])
         else:
-            acc2, v2 = _pv(kc, 2, p_smem, acc2 * alpha_o, IS_FP8, v_ops)
-            acc3, v3 = _pv(kc, 3, p_smem, acc3 * alpha_o, IS_FP8, v_ops)
+            acc2, v2 = _pv(kc, 2, p_op, acc2 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
+            acc3, v3 = _pv(kc, 3, p_op, acc3 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
             acc0, acc1, acc2, acc3, _, _, _, _, _, _ = warpgroup_mma_wait(
                 num_outstanding=0, deps=[acc0, acc1, acc2, acc3, p_smem, kc, v0, v1, v2, v3])
     if not TMA_BOX:
@@ -318,17 +388,17 @@ def mla_decode_split_kernel_sm90_narrow(
     has_keys = l_i > 0.0
     safe_l = gl.where(has_keys, l_i, 1.0)
     lse = gl.where(has_keys, (m_i + gl.log2(safe_l)) * 0.6931471805599453, float("-inf"))  # ln 2
-    out_scale = gl.convert_layout(kv_scale / safe_l, cols_o)[None, :]
+    out_scale = gl.convert_layout(kv_scale / (safe_l * P_SCALE if FP8_PV else safe_l), cols_o)[None, :]
 
     row_o = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=cols_o)
     out_rows = (q_start + row_o // NUM_HEADS)[None, :] * stride_out_t + (row_o % NUM_HEADS)[None, :] * stride_out_h
     out_mask = (row_o < q_len * NUM_HEADS)[None, :]
     if not DIRECT_OUT:
         out_rows += pid_s * stride_out_s
-    _store_out(acc0 * out_scale, 0, out_ptr + out_rows, out_mask, mma_o)
-    _store_out(acc1 * out_scale, 1, out_ptr + out_rows, out_mask, mma_o)
-    _store_out(acc2 * out_scale, 2, out_ptr + out_rows, out_mask, mma_o)
-    _store_out(acc3 * out_scale, 3, out_ptr + out_rows, out_mask, mma_o)
+    _store_out(acc0 * out_scale, 0, out_ptr + out_rows, out_mask, mma_o, FP8_PV)
+    _store_out(acc1 * out_scale, 1, out_ptr + out_rows, out_mask, mma_o, FP8_PV)
+    _store_out(acc2 * out_scale, 2, out_ptr + out_rows, out_mask, mma_o, FP8_PV)
+    _store_out(acc3 * out_scale, 3, out_ptr + out_rows, out_mask, mma_o, FP8_PV)
     lse_ptrs = lse_ptr + (q_start + tok_j) * stride_lse_t + (row_s % NUM_HEADS) * stride_lse_h
     if not DIRECT_OUT:
         lse_ptrs += pid_s

@@ -63,6 +63,20 @@ def quantize_query_rows(q_nope: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch
     return rounded(q_nope), rounded(q_pe)
 
 
+def fp8_probs_weights(scores: torch.Tensor, exact: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax weights over the last dimension of ``scores`` (natural-log units) with the
+    numerators rounded as an fp8 ``P V`` rounds them (``DecodePlan.fp8_probs``): ``p = 2^(s log2(e)
+    - ceil(max))`` times 256, rounded to E4M3 and scaled back, over the sum of the unrounded ``p``.
+    The shift is a whole power of two, so the rounding is the same for any whole shift at or above
+    the maximum (the kernel's running one, a split's own). ``exact`` marks keys left unrounded."""
+    scaled = scores * 1.4426950408889634  # log2(e)
+    p = torch.exp2(scaled - torch.ceil(scaled.amax(-1, keepdim=True)))
+    rounded = (p * 256).to(torch.float8_e4m3fn).float() / 256
+    if exact is not None:
+        rounded = torch.where(exact, p, rounded)
+    return rounded / p.sum(-1, keepdim=True)
+
+
 def mla_decode_ref(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -75,6 +89,7 @@ def mla_decode_ref(
     query_start_loc: torch.Tensor | None = None,
     fp8_queries: bool = False,
     fresh_kv: torch.Tensor | None = None,
+    fp8_probs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight-absorbed MQA over the paged latent cache.
 
@@ -89,6 +104,8 @@ def mla_decode_ref(
     scale per row), as the kernel does when ``DecodePlan.fp8_queries`` holds. ``fresh_kv
     [T, D_latent + D_rope]`` replaces the cache rows of the query tokens' own positions; the
     queries are then rounded only for the prefix, the kernel's own-rows launch being exact.
+    ``fp8_probs`` rounds the softmax numerators to E4M3 (``fp8_probs_weights``), the fresh rows'
+    excepted, as the kernel does when ``DecodePlan.fp8_probs`` holds.
     """
     q_exact = (q_nope.float(), q_pe.float())
     if fp8_queries:
@@ -126,7 +143,11 @@ def mla_decode_ref(
                 scores = torch.where(own[seen], exact, scores)
             scores = scores * softmax_scale
             lse[t] = torch.logsumexp(scores, dim=-1)
-            out[t] = torch.softmax(scores, dim=-1) @ k[:, :d_latent]
+            if fp8_probs:
+                weights = fp8_probs_weights(scores, own[seen] if fresh_kv is not None else None)
+            else:
+                weights = torch.softmax(scores, dim=-1)
+            out[t] = weights @ k[:, :d_latent]
     return out, lse
 
 

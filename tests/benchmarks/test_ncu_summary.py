@@ -16,10 +16,10 @@ def write_csv(path, rows):
         csv.writer(f).writerows(rows)
 
 
-def make_run(folder, cases, kernels):
+def make_run(folder, cases, kernels, time_unit="ms", rate_unit="Tbyte/s"):
     folder.mkdir()
     (folder / "cases.txt").write_text(" ".join(cases))
-    units = [""] * len(RAW_HEADER)
+    units = ["", "", time_unit, rate_unit, *[""] * (len(RAW_HEADER) - 4)]
     data = [[str(i), name, "0.5", "3.25", "70", "60", "50", "36", "255", "1,024", "800", "700", "150", "1"]
             for i, name in enumerate(kernels)]
     write_csv(folder / "raw.csv", [RAW_HEADER, units, *data])
@@ -48,3 +48,13 @@ def test_summary_refuses_a_case_count_mismatch(tmp_path):
     make_run(tmp_path / "run", ["decode:e4m3:16:1:32768"], ["narrow", "gemm"])
     with pytest.raises(ValueError, match="1 cases but 2 profiled kernels"):
         ncu_summary.summarize(tmp_path / "run")
+
+
+def test_summary_reads_each_value_in_its_unit(tmp_path):
+    """ncu reports a short kernel's time in us and a long one's in ms; rates may come in Gbyte/s."""
+    make_run(tmp_path / "us", ["decode:e4m3:16:1:4096"], ["narrow"], time_unit="us", rate_unit="Gbyte/s")
+    (row,) = ncu_summary.summarize(tmp_path / "us")
+    assert row["duration_us"] == 0.5 and row["dram_read_TBps"] == 0.003
+    make_run(tmp_path / "odd", ["decode:e4m3:16:1:4096"], ["narrow"], time_unit="cycle")
+    with pytest.raises(ValueError, match="unit 'cycle'"):
+        ncu_summary.summarize(tmp_path / "odd")

@@ -17,7 +17,12 @@ from common_kernels.mla import (
     varlen_attention,
     write_latent_cache,
 )
-from common_kernels.mla.reference import mla_decode_ref, varlen_attention_ref, write_latent_cache_ref
+from common_kernels.mla.reference import (
+    fp8_probs_weights,
+    mla_decode_ref,
+    varlen_attention_ref,
+    write_latent_cache_ref,
+)
 from tests.helpers import BATCH_SPECS, assert_close, device
 
 FP8_CACHE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -293,6 +298,43 @@ def test_sm90_kernel_routing():
     for shape in ((64, torch.bfloat16, False, 0, 512, 64), (64, torch.bfloat16, True, 32, 512, 64),
                   (64, torch.bfloat16, True, 64, 256, 64), (64, torch.float32, True, 64, 512, 64)):
         assert sm90_kernel_for(*shape) is None, shape
+
+
+def test_fp8_probs_only_on_the_narrow_kernel_over_e4m3(monkeypatch):
+    """``P V`` in fp8 is planned for E4M3 caches in sm_90's 16- and 32-row groups only, and
+    ``LATENTSPEED_MLA_DECODE_FP8_PV=0`` turns it off."""
+    from common_kernels.mla import decode_sm90_narrow
+
+    def probs(heads, q_len, dtype, sm90=True):
+        return plan_decode(4, heads, q_len, 4096, 132, cache_dtype=dtype, sm90=sm90).fp8_probs(dtype)
+
+    assert probs(16, 1, torch.float8_e4m3fn) and probs(16, 2, torch.float8_e4m3fn)
+    assert not probs(16, 4, torch.float8_e4m3fn) and not probs(128, 1, torch.float8_e4m3fn)
+    assert not probs(16, 1, torch.float8_e4m3fn, sm90=False)
+    assert not probs(16, 1, torch.float8_e5m2) and not probs(16, 1, torch.bfloat16)
+    monkeypatch.setenv(decode_sm90_narrow.FP8_PV_ENV, "0")
+    assert not probs(16, 1, torch.float8_e4m3fn)
+
+
+def test_fp8_probs_weights_round_numerators_under_a_whole_shift():
+    """The reference of the fp8 ``P V``: each numerator ``p`` (at most 1) within E4M3's half step
+    of the exact one (2^-4 relative, 2^-18 absolute in the subnormals of ``256 p``), the same under
+    any shift of the scores by whole powers of two (the kernel's running and per-split maxima), and
+    exact where asked."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(8, 300, generator=g) * 3
+    exact = torch.softmax(scores, dim=-1)
+    weights = fp8_probs_weights(scores)
+    scaled = scores / math.log(2)
+    norm = torch.exp2(scaled - scaled.amax(-1, keepdim=True).ceil()).sum(-1, keepdim=True)  # sum of the p
+    assert ((weights - exact).abs() <= 2**-4 * exact + 2**-18 / norm + 1e-9).all()
+    assert (weights != exact).float().mean() > 0.5  # rounded, not passed through
+    for shift in (-3, 1, 7):
+        torch.testing.assert_close(fp8_probs_weights(scores + shift * math.log(2)), weights, rtol=1e-5, atol=0)
+    keep = torch.rand(8, 300, generator=g) < 0.3
+    mixed = fp8_probs_weights(scores, keep)
+    torch.testing.assert_close(mixed[keep], exact[keep], rtol=1e-5, atol=0)
+    torch.testing.assert_close(mixed[~keep], weights[~keep])
 
 
 def test_narrow_kernel_bulk_copies_only_contiguous_fp8_pages(monkeypatch):

@@ -14,7 +14,7 @@ import torch
 from common_kernels.mla import decode, decode_sm90_narrow, decode_sm90_seesaw, mla_decode, plan_decode, sm90_kernels_apply
 from common_kernels.mla.reference import mla_decode_ref
 from tests.common_kernels.test_mla import make_paged_cache
-from tests.helpers import assert_close
+from tests.helpers import assert_close, fp8_probs_flips
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                                 reason="needs an sm_90 GPU")
@@ -65,7 +65,9 @@ CACHES = {"bf16": (torch.bfloat16, torch.bfloat16), "fp16": (torch.float16, torc
 @pytest.mark.parametrize("num_heads", [128, 16], ids=lambda h: f"H{h}")
 def test_matches_reference_and_triton(monkeypatch, cache_name, page, num_splits, q_len, num_heads):
     """128 heads: 64-row groups; 16 heads: 16 and 32. fp8 caches: the reference rounds the
-    queries as both kernels do (``fp8_queries``); the Triton kernel runs the same plan."""
+    queries as both kernels do (``fp8_queries``), and over E4M3 at 16 heads the softmax numerators
+    as the narrow kernel does (``fp8_probs``); the Triton kernel runs the same plan, without the
+    latter."""
     cache_dtype, q_dtype = CACHES[cache_name]
     fp8 = cache_dtype.itemsize == 1
     kv_scale = torch.tensor([0.02], device="cuda") if fp8 else None
@@ -76,11 +78,17 @@ def test_matches_reference_and_triton(monkeypatch, cache_name, page, num_splits,
     assert plan.fp8_queries(cache_dtype) == fp8
     args = (q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale)
     out, lse = _decode(monkeypatch, True, *args)
-    ref, ref_lse = mla_decode_ref(*args[:6], kv_scale if fp8 else 1.0, fp8_queries=fp8)
-    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="sm90 decode out")
+    fp8_probs = plan.fp8_probs(cache_dtype)
+    assert fp8_probs == (cache_name == "e4m3" and num_heads == 16)
+    ref, ref_lse = mla_decode_ref(*args[:6], kv_scale if fp8 else 1.0, fp8_queries=fp8, fp8_probs=fp8_probs)
+    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="sm90 decode out", **fp8_probs_flips(fp8_probs))
     assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="sm90 decode lse")
     triton_out, triton_lse = _decode(monkeypatch, False, *args)
-    assert_close(out, triton_out, atol=1e-2, rtol=2e-2, name="sm90 against Triton out")
+    if fp8_probs:  # the Triton kernel's P V is not in fp8: held to the reference without that rounding
+        exact, _ = mla_decode_ref(*args[:6], kv_scale, fp8_queries=True)
+        assert_close(triton_out, exact, atol=1e-2, rtol=2e-2, name="Triton decode out")
+    else:
+        assert_close(out, triton_out, atol=1e-2, rtol=2e-2, name="sm90 against Triton out")
     assert_close(lse, triton_lse, atol=2e-3, rtol=2e-3, name="sm90 against Triton lse")
 
 
@@ -123,6 +131,7 @@ def test_narrow_tree_mask(monkeypatch, cache_name):
     plan = plan_decode(len(seq_lens), 16, 2, max(seq_lens), sms, cache_dtype=cache_dtype, sm90=True)
     args = (q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale)
     out, lse = _decode(monkeypatch, True, *args, tree_mask=tree)
-    ref, ref_lse = mla_decode_ref(*args[:6], kv_scale if fp8 else 1.0, tree_mask=tree.cpu(), fp8_queries=fp8)
-    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="narrow tree out")
+    ref, ref_lse = mla_decode_ref(*args[:6], kv_scale if fp8 else 1.0, tree_mask=tree.cpu(), fp8_queries=fp8,
+                                  fp8_probs=plan.fp8_probs(cache_dtype))
+    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="narrow tree out", **fp8_probs_flips(plan.fp8_probs(cache_dtype)))
     assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="narrow tree lse")

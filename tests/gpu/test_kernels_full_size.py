@@ -9,7 +9,7 @@ import torch
 from common_kernels.mla import mla_decode, plan_decode, sm90_kernels_apply, varlen_attention, write_latent_cache
 from common_kernels.mla.reference import mla_decode_ref, varlen_attention_ref, write_latent_cache_ref
 from tests.common_kernels.test_mla import CACHE_DTYPES, FP8_CACHE, make_paged_cache
-from tests.helpers import assert_close
+from tests.helpers import assert_close, fp8_probs_flips
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -37,8 +37,8 @@ def test_decode_full_size(cache_name, num_heads, q_len, block_size):
     plan = _plan(len(seq_lens_list), num_heads, q_len, max(seq_lens_list), cache_dtype)
     out, lse = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale)
     ref, ref_lse = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0,
-                                  fp8_queries=plan.fp8_queries(cache_dtype))
-    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="decode out")
+                                  fp8_queries=plan.fp8_queries(cache_dtype), fp8_probs=plan.fp8_probs(cache_dtype))
+    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="decode out", **fp8_probs_flips(plan.fp8_probs(cache_dtype)))
     assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="decode lse")
 
 
@@ -61,8 +61,9 @@ def test_extend_with_fresh_rows_full_size(cache_name, num_heads):
     out, lse = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale,
                           query_start_loc=starts, fresh_kv=fresh)
     ref, ref_lse = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale, query_start_loc=starts,
-                                  fp8_queries=plan.fp8_queries(cache_dtype), fresh_kv=fresh)
-    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="extend out")
+                                  fp8_queries=plan.fp8_queries(cache_dtype), fresh_kv=fresh,
+                                  fp8_probs=plan.fp8_probs(cache_dtype))
+    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="extend out", **fp8_probs_flips(plan.fp8_probs(cache_dtype)))
     assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="extend lse")
 
 
@@ -112,12 +113,12 @@ def test_tree_and_ragged_decode_full_size(cache_name):
     plan = _plan(3, 128, 16, 3000, cache_dtype)
     out, _ = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale, tree_mask=tree.cuda())
     ref, _ = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0, tree_mask=tree,
-                            fp8_queries=plan.fp8_queries(cache_dtype))
+                            fp8_queries=plan.fp8_queries(cache_dtype), fp8_probs=plan.fp8_probs(cache_dtype))
     assert_close(out, ref, atol=1e-2, rtol=2e-2, name="tree decode")
 
     starts = torch.tensor([0, 40, 41, 48], dtype=torch.int32, device="cuda")
     plan = _plan(3, 128, 40, 3000, cache_dtype)
     out, _ = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale, query_start_loc=starts)
     ref, _ = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0, query_start_loc=starts,
-                            fp8_queries=plan.fp8_queries(cache_dtype))
+                            fp8_queries=plan.fp8_queries(cache_dtype), fp8_probs=plan.fp8_probs(cache_dtype))
     assert_close(out, ref, atol=1e-2, rtol=2e-2, name="ragged decode")
