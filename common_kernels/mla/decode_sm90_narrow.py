@@ -126,7 +126,8 @@ def tma_options(cache: torch.Tensor) -> dict:
     kernel's tiles. Else, or with ``LATENTSPEED_MLA_DECODE_TMA=0``, none (the kernel copies rows
     with ``cp.async``)."""
     blocks, page, width = cache.shape
-    if (not USE_TMA_FP8 or os.environ.get(TMA_ENV, "1") == "0" or cache.dtype not in FP8_DTYPES or cache.stride(0) != page * cache.stride(1)
+    if (not USE_TMA_FP8 or os.environ.get(TMA_ENV, "1") == "0" or cache.dtype not in FP8_DTYPES
+            or cache.stride(0) != page * cache.stride(1)
             or cache.stride(2) != 1 or cache.data_ptr() % 16 or cache.stride(1) * cache.element_size() % 16):
         return {}
     rows = cache.as_strided((blocks * page, width), (cache.stride(1), 1))
@@ -359,7 +360,7 @@ def mla_decode_split_kernel_sm90_narrow(
         alpha_o = gl.convert_layout(alpha, cols_o)[None, :]
         acc0, v0 = _pv(kc, 0, p_op, acc0 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
         acc1, v1 = _pv(kc, 1, p_op, acc1 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
-        if FP8_PV and BLOCK_R == 32:
+        if FP8_PV and BLOCK_R == 32:  # two chunks in flight here too: four spill (56 B, sm_90a on 2026-12-03)
             acc0 = warpgroup_mma_wait(num_outstanding=1, deps=[acc0])
             acc2, v2 = _pv(kc, 2, p_op, acc2 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
             acc1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc1])
