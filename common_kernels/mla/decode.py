@@ -300,7 +300,7 @@ class DecodePlan:
     def fp8_probs(self, cache_dtype: torch.dtype) -> bool:
         """Whether ``P V`` runs in fp8 (``P`` rounded to E4M3) over a paged cache: E4M3 caches in
         sm_90's row groups of 16 and 32 (``decode_sm90_narrow.fp8_pv``)."""
-        return self.sm90 and self.block_rows < MAX_BLOCK_ROWS and decode_sm90_narrow.fp8_pv(cache_dtype)
+        return self.sm90 and self.block_rows in decode_sm90_narrow.BLOCK_ROWS and decode_sm90_narrow.fp8_pv(cache_dtype)
 
     @property
     def row_groups(self) -> int:
