@@ -21,6 +21,10 @@ only (the plan is made under it too), to time a launch setting without a new rev
     python -m benchmarks.mla_decode_ab --base HEAD --heads 16 --cache e4m3 \
         --ours-set decode_sm90_narrow.NUM_BUFS=3 decode_sm90_narrow.PROGRAMS_PER_SM_FP8=1 --out ab.jsonl
 
+``--base-set`` does the same for the base side: the plan and the launch options always come from
+the working tree's modules, so a base that lacks a feature the working tree plans for (an fp8
+``P V`` over E5M2) runs with it switched off: ``--base-set decode_sm90_narrow.USE_FP8_PV=0``.
+
 Where the repository's history cannot be trusted (on the GPU host, ``git rev-parse HEAD`` named the
 session's first commit after later ones had been made here), ``--base`` takes a folder of the two
 modules instead: ``git show REV:common_kernels/mla/decode_sm90_seesaw.py > DIR/...``, made here.
@@ -176,21 +180,24 @@ def main() -> None:
     parser.add_argument("--cache", nargs="+", default=["bf16", "e4m3"], choices=list(DTYPES))
     parser.add_argument("--ours-set", nargs="+", default=[], metavar="MODULE.NAME=INT",
                         help="constants of the working tree's kernel modules for its side only")
+    parser.add_argument("--base-set", nargs="+", default=[], metavar="MODULE.NAME=INT",
+                        help="the same working-tree constants for the base side (its plan and launch options)")
     parser.add_argument("--both-orders", action="store_true",
                         help="time each shape twice, base first and then ours first (base/ours and base/ours_2)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    settings = parse_settings(args.ours_set)
+    settings, base_settings = parse_settings(args.ours_set), parse_settings(args.base_set)
     base = load_revision(args.base)
     kv_scale = torch.tensor([0.5], device="cuda")
     with open(args.out, "w") as out:
         for cache_name, heads, q_len, ctx in itertools.product(args.cache, args.heads, args.q_len, args.ctx):
             dtype = DTYPES[cache_name]
             inputs = (*make_inputs(args.batch, heads, q_len, ctx, dtype), kv_scale)
-            row = dict(base=args.base, ours_set=args.ours_set, cache=cache_name, heads=heads, q_len=q_len, ctx=ctx)
+            row = dict(base=args.base, base_set=args.base_set, ours_set=args.ours_set, cache=cache_name, heads=heads,
+                       q_len=q_len, ctx=ctx)
             row |= compare(lambda side, kernels, constants, check: measure(
                 side, kernels, constants, inputs, dtype, args.batch, heads, q_len, ctx, check),
-                [("base", base, {}), ("ours", None, settings)], check=ctx == args.ctx[0], both_orders=args.both_orders)
+                [("base", base, base_settings), ("ours", None, settings)], check=ctx == args.ctx[0], both_orders=args.both_orders)
             out.write(json.dumps(row) + "\n")
             out.flush()
             print(json.dumps(row), flush=True)

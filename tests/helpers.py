@@ -16,9 +16,9 @@ def device() -> str:
 def fp8_probs_flips(fp8_probs: bool) -> dict:
     """``assert_close``'s outlier allowance for decode outputs of an fp8 ``P V``
     (``DecodePlan.fp8_probs``) against ``mla_decode_ref(..., fp8_probs=True)``: the kernel's scores
-    differ from the reference's in their last bits, so a numerator on an E4M3 rounding midpoint may
-    round the other way, moving a few output elements by one E4M3 step (2^-4 to 2^-3) of one key's
-    weight. None without the fp8 ``P V``."""
+    differ from the reference's in their last bits, so a numerator on an fp8 rounding midpoint may
+    round the other way, moving a few output elements by one fp8 step (E4M3 2^-4 to 2^-3, E5M2
+    2^-3 to 2^-2) of one key's weight. None without the fp8 ``P V``."""
     return dict(outliers=1e-3, outlier_tol=0.1) if fp8_probs else {}
 
 

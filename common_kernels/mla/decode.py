@@ -298,8 +298,8 @@ class DecodePlan:
         return cache_dtype in FP8_DTYPES and (self.block_rows >= MAX_BLOCK_ROWS or self.sm90)
 
     def fp8_probs(self, cache_dtype: torch.dtype) -> bool:
-        """Whether ``P V`` runs in fp8 (``P`` rounded to E4M3) over a paged cache: E4M3 caches in
-        sm_90's row groups of 16 and 32 (``decode_sm90_narrow.fp8_pv``)."""
+        """Whether ``P V`` runs in fp8 (``P`` rounded to the cache's format) over a paged cache: fp8
+        caches in sm_90's row groups of 16 and 32 (``decode_sm90_narrow.fp8_pv``)."""
         return self.sm90 and self.block_rows in decode_sm90_narrow.BLOCK_ROWS and decode_sm90_narrow.fp8_pv(cache_dtype)
 
     @property

@@ -3,7 +3,7 @@
 Same contract, arguments and partial outputs as ``decode._mla_decode_split_kernel`` (the module
 docstring of ``decode`` has the formula), for the launches it takes: ``BLOCK_R`` of 16 or 32
 rows, ``D_latent = 512``, ``D_rope = 64``, a paged cache (bf16/fp16, or fp8 with E4M3 queries,
-``DecodePlan.fp8_queries``, over E4M3 with ``P`` rounded to E4M3 too, ``DecodePlan.fp8_probs``; no
+``DecodePlan.fp8_queries``, with ``P`` rounded to the cache's format, ``DecodePlan.fp8_probs``; no
 dense keys). ``decode.mla_decode`` sends those launches here on an
 sm_90 GPU when the plan was made for it (``plan_decode(..., sm90=True)``).
 
@@ -20,15 +20,16 @@ wgmma's M and the query rows its N (one warpgroup, 4 warps):
 - ``O^T = V^T P^T``: ``[D_latent, BLOCK_R]`` fp32 in four accumulators of ``V_CHUNK`` latent
   rows, ``V^T`` the tile's latent part read transposed from shared memory by wgmma (bf16/fp16).
   An fp8 wgmma operand in shared memory must be K-major, so fp8 ``V^T`` comes from registers:
-  over E4M3 caches (``FP8_PV``) in fp8, ``P^T`` rounded to E4M3 after scaling by ``P_SCALE``,
-  relative to a whole power-of-two shift (the column maximum rounded up), so that the rounding
-  does not depend on which running or per-split maximum the shift came from
-  (``reference.fp8_probs_weights``); ``V^T`` is loaded four latent bytes a word with its rows
-  reordered (``_v_row_latent``) so that no bytes move between threads. 1.00-1.16x faster at one
-  query token and 1.07-1.20x at two than the fp16 ``P V`` (H200, both orders,
-  ``benchmarks/results/mla_decode-sm90-narrow-fp8pv-2026-12-03.md``), for about 1.4-2.5e-2 more
-  relative error. Otherwise (E5M2, whose ``V`` by E4M3 ``P`` does not lower, or
-  ``LATENTSPEED_MLA_DECODE_FP8_PV=0``) ``V^T`` is loaded a byte at a time and widened to fp16
+  in fp8 (``FP8_PV``), ``P^T`` rounded to the cache's format (E5M2 ``V`` by E4M3 ``P`` does not
+  lower) after scaling by ``P_SCALE``, relative to a whole power-of-two shift (the column maximum
+  rounded up), so that the rounding does not depend on which running or per-split maximum the
+  shift came from (``reference.fp8_probs_weights``); ``V^T`` is loaded four latent bytes a word
+  with its rows reordered (``_v_row_latent``) so that no bytes move between threads. Against the
+  fp16 ``P V`` (H200, both orders): E4M3 1.00-1.16x faster at one query token and 1.07-1.20x at
+  two, for about 1.4e-2 more relative error
+  (``benchmarks/results/mla_decode-sm90-narrow-fp8pv-2026-12-03.md``); E5M2 1.00-1.17x and
+  1.08-1.23x, for about 3.5e-2 more (``mla_decode-sm90-narrow-e5m2p-2026-12-03.md``). With
+  ``LATENTSPEED_MLA_DECODE_FP8_PV=0``, ``V^T`` is loaded a byte at a time and widened to fp16
   (exact; word loads with the reordering were 0.89-1.00x, widening into a shared buffer cost as
   much as the halved read saved). There, at 32 rows, only two ``V^T`` chunks are in flight (chunk
   c is waited for before c + 2 is issued): with four, the accumulators and operands outgrow the
@@ -92,8 +93,8 @@ NUM_BUFS = 2
 USE_TMA_FP8 = 1
 TMA_ENV = "LATENTSPEED_MLA_DECODE_TMA"  # "0": cp.async for every cache
 USE_FP8_PV = 1
-FP8_PV_ENV = "LATENTSPEED_MLA_DECODE_FP8_PV"  # "0": P V in fp16 (V widened) for E4M3 caches too
-P_SCALE = gl.constexpr(256.0)  # P in [0, 1] to [0, 256]: E4M3's normal range, below its maximum of 448
+FP8_PV_ENV = "LATENTSPEED_MLA_DECODE_FP8_PV"  # "0": P V in fp16 (V widened) for fp8 caches too
+P_SCALE = gl.constexpr(256.0)  # P in [0, 1] to [0, 256]: normal in E4M3 and E5M2, below their maxima (448, 57344)
 PROGRAMS_PER_SM_FP8 = 2  # fp8 caches: 83 KiB of shared memory (32 rows: 94), 203-255 registers a thread
 
 
@@ -103,10 +104,10 @@ def programs_per_sm(block_rows: int, fp8: bool) -> int:
 
 
 def fp8_pv(cache_dtype: torch.dtype) -> bool:
-    """Whether this kernel runs ``P V`` in fp8 over a cache of that dtype (E4M3 caches, unless
+    """Whether this kernel runs ``P V`` in fp8 over a cache of that dtype (fp8 caches, unless
     ``LATENTSPEED_MLA_DECODE_FP8_PV=0``): ``P`` relative to a whole power-of-two shift, times
-    ``P_SCALE``, rounded to E4M3 (``reference.mla_decode_ref(..., fp8_probs=True)``)."""
-    return bool(USE_FP8_PV) and cache_dtype == torch.float8_e4m3fn and os.environ.get(FP8_PV_ENV, "1") != "0"
+    ``P_SCALE``, rounded to the cache's format (``reference.mla_decode_ref(..., fp8_probs=True)``)."""
+    return bool(USE_FP8_PV) and cache_dtype in FP8_DTYPES and os.environ.get(FP8_PV_ENV, "1") != "0"
 
 
 def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, d_latent: int, d_rope: int) -> bool:
@@ -242,8 +243,8 @@ def mla_decode_split_kernel_sm90_narrow(
     dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
     key_ty: gl.constexpr = cache_ptr.dtype.element_ty
     qk_ty: gl.constexpr = gl.float8e4nv if IS_FP8 else dtype
-    gl.static_assert(not FP8_PV or key_ty == gl.float8e4nv, "fp8 P V: E4M3 caches (E5M2 V by E4M3 P does not lower)")
-    pv_ty: gl.constexpr = gl.float8e4nv if FP8_PV else (gl.float16 if IS_FP8 else dtype)
+    gl.static_assert(not FP8_PV or IS_FP8, "fp8 P V: fp8 caches")
+    pv_ty: gl.constexpr = key_ty if FP8_PV else (gl.float16 if IS_FP8 else dtype)  # P in the cache's format
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     ld_keys: gl.constexpr = (gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0]) if IS_FP8
                              else ld_layout)
@@ -340,7 +341,7 @@ def mla_decode_split_kernel_sm90_narrow(
             seen = (offs_n < end)[:, None] & (offs_n[:, None] < visible[None, :])
         s = gl.where(seen, s * score_scale, float("-inf"))
         m_new = gl.maximum(m_i, _column_max(s, max_smem, BLOCK_N, BLOCK_R, mma_s))
-        if FP8_PV:  # a whole shift: P's E4M3 rounding is then that of P relative to the final shift
+        if FP8_PV:  # a whole shift: P's fp8 rounding is then that of P relative to the final shift
             m_new = gl.ceil(m_new)
         if TMA_BOX:
             page = _refill_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, i, page, start, end, bt_row, PAGE_SIZE,

@@ -63,15 +63,19 @@ def quantize_query_rows(q_nope: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch
     return rounded(q_nope), rounded(q_pe)
 
 
-def fp8_probs_weights(scores: torch.Tensor, exact: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_probs_weights(scores: torch.Tensor, exact: torch.Tensor | None = None,
+                      fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
     """Softmax weights over the last dimension of ``scores`` (natural-log units) with the
     numerators rounded as an fp8 ``P V`` rounds them (``DecodePlan.fp8_probs``): ``p = 2^(s log2(e)
-    - ceil(max))`` times 256, rounded to E4M3 and scaled back, over the sum of the unrounded ``p``.
-    The shift is a whole power of two, so the rounding is the same for any whole shift at or above
-    the maximum (the kernel's running one, a split's own). ``exact`` marks keys left unrounded."""
+    - ceil(max))`` times 256, rounded to ``fp8_dtype`` (the cache's format) and scaled back, over
+    the sum of the unrounded ``p``. The shift is a whole power of two, so the rounding is the same
+    for any whole shift at or above the maximum (the kernel's running one, a split's own).
+    ``exact`` marks keys left unrounded."""
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dtype must be one of {FP8_DTYPES}, got {fp8_dtype}")
     scaled = scores * 1.4426950408889634  # log2(e)
     p = torch.exp2(scaled - torch.ceil(scaled.amax(-1, keepdim=True)))
-    rounded = (p * 256).to(torch.float8_e4m3fn).float() / 256
+    rounded = (p * 256).to(fp8_dtype).float() / 256
     if exact is not None:
         rounded = torch.where(exact, p, rounded)
     return rounded / p.sum(-1, keepdim=True)
@@ -104,9 +108,11 @@ def mla_decode_ref(
     scale per row), as the kernel does when ``DecodePlan.fp8_queries`` holds. ``fresh_kv
     [T, D_latent + D_rope]`` replaces the cache rows of the query tokens' own positions; the
     queries are then rounded only for the prefix, the kernel's own-rows launch being exact.
-    ``fp8_probs`` rounds the softmax numerators to E4M3 (``fp8_probs_weights``), the fresh rows'
-    excepted, as the kernel does when ``DecodePlan.fp8_probs`` holds.
+    ``fp8_probs`` rounds the softmax numerators to the fp8 cache's format (``fp8_probs_weights``),
+    the fresh rows' excepted, as the kernel does when ``DecodePlan.fp8_probs`` holds.
     """
+    if fp8_probs and kv_cache.dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_probs rounds P to an fp8 cache's format; this cache is {kv_cache.dtype}")
     q_exact = (q_nope.float(), q_pe.float())
     if fp8_queries:
         q_nope, q_pe = quantize_query_rows(q_nope, q_pe)
@@ -144,7 +150,7 @@ def mla_decode_ref(
             scores = scores * softmax_scale
             lse[t] = torch.logsumexp(scores, dim=-1)
             if fp8_probs:
-                weights = fp8_probs_weights(scores, own[seen] if fresh_kv is not None else None)
+                weights = fp8_probs_weights(scores, own[seen] if fresh_kv is not None else None, kv_cache.dtype)
             else:
                 weights = torch.softmax(scores, dim=-1)
             out[t] = weights @ k[:, :d_latent]

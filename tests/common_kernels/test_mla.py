@@ -300,8 +300,8 @@ def test_sm90_kernel_routing():
         assert sm90_kernel_for(*shape) is None, shape
 
 
-def test_fp8_probs_only_on_the_narrow_kernel_over_e4m3(monkeypatch):
-    """``P V`` in fp8 is planned for E4M3 caches in sm_90's 16- and 32-row groups only, and
+def test_fp8_probs_only_on_the_narrow_kernel_over_fp8(monkeypatch):
+    """``P V`` in fp8 is planned for fp8 caches in sm_90's 16- and 32-row groups only, and
     ``LATENTSPEED_MLA_DECODE_FP8_PV=0`` turns it off."""
     from common_kernels.mla import decode_sm90_narrow
 
@@ -311,30 +311,57 @@ def test_fp8_probs_only_on_the_narrow_kernel_over_e4m3(monkeypatch):
     assert probs(16, 1, torch.float8_e4m3fn) and probs(16, 2, torch.float8_e4m3fn)
     assert not probs(16, 4, torch.float8_e4m3fn) and not probs(128, 1, torch.float8_e4m3fn)
     assert not probs(16, 1, torch.float8_e4m3fn, sm90=False)
-    assert not probs(16, 1, torch.float8_e5m2) and not probs(16, 1, torch.bfloat16)
+    assert probs(16, 1, torch.float8_e5m2) and probs(16, 2, torch.float8_e5m2)
+    assert not probs(16, 1, torch.bfloat16) and not probs(16, 1, torch.float16)
     monkeypatch.setenv(decode_sm90_narrow.FP8_PV_ENV, "0")
-    assert not probs(16, 1, torch.float8_e4m3fn)
+    assert not probs(16, 1, torch.float8_e4m3fn) and not probs(16, 1, torch.float8_e5m2)
 
 
-def test_fp8_probs_weights_round_numerators_under_a_whole_shift():
-    """The reference of the fp8 ``P V``: each numerator ``p`` (at most 1) within E4M3's half step
-    of the exact one (2^-4 relative, 2^-18 absolute in the subnormals of ``256 p``), the same under
-    any shift of the scores by whole powers of two (the kernel's running and per-split maxima), and
-    exact where asked."""
+@pytest.mark.parametrize("fp8_dtype, half_step, subnormal_half_step",
+                         [(torch.float8_e4m3fn, 2**-4, 2**-18), (torch.float8_e5m2, 2**-3, 2**-25)],
+                         ids=["e4m3", "e5m2"])
+def test_fp8_probs_weights_round_numerators_under_a_whole_shift(fp8_dtype, half_step, subnormal_half_step):
+    """The reference of the fp8 ``P V``: each numerator ``p`` (at most 1) within the format's half
+    step of the exact one (relative; absolute in the subnormals of ``256 p``: E4M3 2^-4 and 2^-18,
+    E5M2 2^-3 and 2^-25), the same under any shift of the scores by whole powers of two (the
+    kernel's running and per-split maxima), and exact where asked."""
     g = torch.Generator().manual_seed(0)
     scores = torch.randn(8, 300, generator=g) * 3
     exact = torch.softmax(scores, dim=-1)
-    weights = fp8_probs_weights(scores)
+    weights = fp8_probs_weights(scores, fp8_dtype=fp8_dtype)
     scaled = scores / math.log(2)
     norm = torch.exp2(scaled - scaled.amax(-1, keepdim=True).ceil()).sum(-1, keepdim=True)  # sum of the p
-    assert ((weights - exact).abs() <= 2**-4 * exact + 2**-18 / norm + 1e-9).all()
+    assert ((weights - exact).abs() <= half_step * exact + subnormal_half_step / norm + 1e-9).all()
     assert (weights != exact).float().mean() > 0.5  # rounded, not passed through
     for shift in (-3, 1, 7):
-        torch.testing.assert_close(fp8_probs_weights(scores + shift * math.log(2)), weights, rtol=1e-5, atol=0)
+        shifted = fp8_probs_weights(scores + shift * math.log(2), fp8_dtype=fp8_dtype)
+        torch.testing.assert_close(shifted, weights, rtol=1e-5, atol=0)
     keep = torch.rand(8, 300, generator=g) < 0.3
-    mixed = fp8_probs_weights(scores, keep)
+    mixed = fp8_probs_weights(scores, keep, fp8_dtype)
     torch.testing.assert_close(mixed[keep], exact[keep], rtol=1e-5, atol=0)
     torch.testing.assert_close(mixed[~keep], weights[~keep])
+
+
+def test_fp8_probs_rounds_p_in_the_caches_format():
+    """``mla_decode_ref(..., fp8_probs=True)`` rounds ``P`` to the fp8 cache's own format: one set
+    of values held exactly by an E5M2 and by an E4M3 cache gives the same exact outputs but
+    different ones with ``fp8_probs``; a 16-bit cache, whose ``P V`` is never in fp8, is refused."""
+    g = torch.Generator().manual_seed(1)
+    seq_lens = (300, 77)
+    q_nope, q_pe = torch.randn(2, 16, 512, generator=g), torch.randn(2, 16, 64, generator=g)
+    e5m2, table = make_paged_cache(seq_lens, 64, 576, torch.float8_e5m2, 1.0)
+    values = e5m2.float().masked_fill(e5m2.float().abs() < 2**-6, 0.0)  # within E4M3's normal range
+    caches = [values.to(dtype) for dtype in (torch.float8_e5m2, torch.float8_e4m3fn)]
+    assert torch.equal(caches[0].float().nan_to_num(), caches[1].float().nan_to_num())
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    outs = {probs: [mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, 0.5, fp8_queries=True,
+                                   fp8_probs=probs)[0] for cache in caches] for probs in (False, True)}
+    torch.testing.assert_close(outs[False][0], outs[False][1], rtol=0, atol=0)
+    assert not torch.equal(outs[True][0], outs[True][1])
+    for out in outs[True]:
+        assert not torch.equal(out, outs[False][0])
+    with pytest.raises(ValueError, match="fp8_probs rounds P to an fp8 cache's format"):
+        mla_decode_ref(q_nope, q_pe, values.bfloat16(), table, lens, 192**-0.5, fp8_probs=True)
 
 
 def test_narrow_kernel_bulk_copies_only_contiguous_fp8_pages(monkeypatch):
