@@ -1,4 +1,6 @@
-"""Render benchmarks/mla_decode.py's JSON as a markdown table of ratios and a PNG plot.
+"""Render benchmarks/mla_decode.py's JSON as a markdown table of ratios and a PNG plot; several
+files (runs of different head counts, say) go into one table and one figure, each panel from the
+file that holds its shapes.
 
     python benchmarks/report_mla_decode.py results/mla_decode-2026-11-30.json \
         --md results/mla_decode-2026-11-30-table.md --png results/mla_decode-2026-11-30.png
@@ -44,7 +46,7 @@ def plot(rows, path: str) -> None:
     panels = sorted({(r["cache"], r["heads"], r["q_len"]) for r in rows})
     cols = min(4, len(panels))
     rows_of_panels = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows_of_panels, cols, figsize=(4.5 * cols, 3.7 * rows_of_panels), sharex=True,
+    fig, axes = plt.subplots(rows_of_panels, cols, figsize=(4.5 * cols, 3.7 * rows_of_panels),
                              squeeze=False)
     for ax, (cache, heads, q_len) in zip(axes.flat, panels):
         for provider in PROVIDERS:
@@ -57,6 +59,8 @@ def plot(rows, path: str) -> None:
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel(f"µs (batch {rows[0]['batch']})")
         ax.grid(True, which="both", alpha=0.3)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
     axes.flat[0].legend()
     fig.suptitle("MLA decode kernel time on one H200 (lower is better)")
     fig.tight_layout()
@@ -65,14 +69,14 @@ def plot(rows, path: str) -> None:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("json")
+    parser.add_argument("json", nargs="+")
     parser.add_argument("--md", required=True)
     parser.add_argument("--png", required=True)
     args = parser.parse_args()
-    data = json.load(open(args.json))
+    rows = [row for path in args.json for row in json.load(open(path))["rows"]]
     with open(args.md, "w") as f:
-        f.write(table(data["rows"]))
-    plot(data["rows"], args.png)
+        f.write(table(rows))
+    plot(rows, args.png)
 
 
 if __name__ == "__main__":
