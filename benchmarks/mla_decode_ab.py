@@ -197,7 +197,8 @@ def main() -> None:
                        q_len=q_len, ctx=ctx)
             row |= compare(lambda side, kernels, constants, check: measure(
                 side, kernels, constants, inputs, dtype, args.batch, heads, q_len, ctx, check),
-                [("base", base, base_settings), ("ours", None, settings)], check=ctx == args.ctx[0], both_orders=args.both_orders)
+                [("base", base, base_settings), ("ours", None, settings)], check=ctx == args.ctx[0],
+                both_orders=args.both_orders)
             out.write(json.dumps(row) + "\n")
             out.flush()
             print(json.dumps(row), flush=True)

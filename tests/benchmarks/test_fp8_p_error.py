@@ -16,5 +16,6 @@ def test_p_rounding_adds_a_percent_level_error(cache, p_bound):
 
 
 def test_e5m2_p_costs_more_than_e4m3_p():
-    rows = {cache: fp8_p_error.errors(batch=1, heads=4, ctx=512, sharpen=1.0, cache=cache) for cache in ("e4m3", "e5m2")}
+    rows = {cache: fp8_p_error.errors(batch=1, heads=4, ctx=512, sharpen=1.0, cache=cache)
+            for cache in ("e4m3", "e5m2")}
     assert rows["e5m2"]["p_only"] > 1.5 * rows["e4m3"]["p_only"]
