@@ -6,8 +6,8 @@ records that launch only. The cases print in order, one line each, to match ncu'
         -o $OUT/decode python3 -m benchmarks.ncu_cases decode:e4m3:16:1:32768 decode:bf16:16:1:32768 \\
         gemm:4096:7168:2048
 
-Cases: ``decode:CACHE:HEADS:Q_LEN:CTX`` (batch 128, ``benchmarks.mla_decode``'s inputs and plan)
-and ``gemm:M:N:K`` (``block_scaled_gemm`` with its tuned config, E4M3 operands).
+Cases: ``decode:CACHE:HEADS:Q_LEN:CTX[:BATCH]`` (batch 128 unless given, ``benchmarks.mla_decode``'s
+inputs and plan) and ``gemm:M:N:K`` (``block_scaled_gemm`` with its tuned config, E4M3 operands).
 """
 
 import argparse
@@ -21,8 +21,8 @@ from common_kernels.fp8 import block_scaled_gemm, quantize_per_token_group, quan
 BATCH = 128
 
 
-def decode_case(cache: str, heads: str, q_len: str, ctx: str):
-    q, cache_t, table, lens = make_inputs(BATCH, int(heads), int(q_len), int(ctx), DTYPES[cache])
+def decode_case(cache: str, heads: str, q_len: str, ctx: str, batch: str = str(BATCH)):
+    q, cache_t, table, lens = make_inputs(int(batch), int(heads), int(q_len), int(ctx), DTYPES[cache])
     return ours(q, cache_t, table, lens, int(q_len), torch.tensor([0.5], device="cuda"))
 
 
