@@ -28,7 +28,7 @@ wgmma's M and the query rows its N (one warpgroup, 4 warps):
   fp16 ``P V`` (H200, both orders): E4M3 1.00-1.16x faster at one query token and 1.07-1.20x at
   two, for about 1.4e-2 more relative error
   (``benchmarks/results/mla_decode-sm90-narrow-fp8pv-2026-12-03.md``); E5M2 1.00-1.17x and
-  1.08-1.23x, for about 3.5e-2 more (``mla_decode-sm90-narrow-e5m2p-2026-12-03.md``). With
+  1.07-1.23x, for about 3.7e-2 more (``mla_decode-sm90-narrow-e5m2p-2026-12-03.md``). With
   ``LATENTSPEED_MLA_DECODE_FP8_PV=0``, ``V^T`` is loaded a byte at a time and widened to fp16
   (exact; word loads with the reordering were 0.89-1.00x, widening into a shared buffer cost as
   much as the halved read saved). There, at 32 rows, only two ``V^T`` chunks are in flight (chunk
