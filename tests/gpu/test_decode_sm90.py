@@ -131,7 +131,8 @@ def test_narrow_tree_mask(monkeypatch, cache_name):
     plan = plan_decode(len(seq_lens), 16, 2, max(seq_lens), sms, cache_dtype=cache_dtype, sm90=True)
     args = (q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale)
     out, lse = _decode(monkeypatch, True, *args, tree_mask=tree)
+    fp8_probs = plan.fp8_probs(cache_dtype)
     ref, ref_lse = mla_decode_ref(*args[:6], kv_scale if fp8 else 1.0, tree_mask=tree.cpu(), fp8_queries=fp8,
-                                  fp8_probs=plan.fp8_probs(cache_dtype))
-    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="narrow tree out", **fp8_probs_flips(plan.fp8_probs(cache_dtype)))
+                                  fp8_probs=fp8_probs)
+    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="narrow tree out", **fp8_probs_flips(fp8_probs))
     assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="narrow tree lse")

@@ -36,9 +36,10 @@ def test_decode_full_size(cache_name, num_heads, q_len, block_size):
     lens = torch.tensor(seq_lens_list, dtype=torch.int32, device="cuda")
     plan = _plan(len(seq_lens_list), num_heads, q_len, max(seq_lens_list), cache_dtype)
     out, lse = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale)
+    fp8_probs = plan.fp8_probs(cache_dtype)
     ref, ref_lse = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0,
-                                  fp8_queries=plan.fp8_queries(cache_dtype), fp8_probs=plan.fp8_probs(cache_dtype))
-    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="decode out", **fp8_probs_flips(plan.fp8_probs(cache_dtype)))
+                                  fp8_queries=plan.fp8_queries(cache_dtype), fp8_probs=fp8_probs)
+    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="decode out", **fp8_probs_flips(fp8_probs))
     assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="decode lse")
 
 
@@ -60,10 +61,10 @@ def test_extend_with_fresh_rows_full_size(cache_name, num_heads):
     plan = _plan(len(q_lens), num_heads, max(q_lens), max(seq_lens_list), cache_dtype)
     out, lse = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale,
                           query_start_loc=starts, fresh_kv=fresh)
+    fp8_probs = plan.fp8_probs(cache_dtype)
     ref, ref_lse = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale, query_start_loc=starts,
-                                  fp8_queries=plan.fp8_queries(cache_dtype), fresh_kv=fresh,
-                                  fp8_probs=plan.fp8_probs(cache_dtype))
-    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="extend out", **fp8_probs_flips(plan.fp8_probs(cache_dtype)))
+                                  fp8_queries=plan.fp8_queries(cache_dtype), fresh_kv=fresh, fp8_probs=fp8_probs)
+    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="extend out", **fp8_probs_flips(fp8_probs))
     assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="extend lse")
 
 
