@@ -64,6 +64,9 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int,
     signature type of any other (a tensor descriptor: ``triton.runtime.jit.mangle_type`` of one).
     """
     typed = typed or {}
+    defaults = {name: param.default for name, param in inspect.signature(kernel.fn).parameters.items()
+                if "constexpr" in str(param.annotation) and param.default is not inspect.Parameter.empty}
+    constexprs = defaults | constexprs  # the kernel's own defaults where the launch gives none, as a launch does
     given = set(pointers) | set(floats) | set(constexprs) | set(typed)
     params = [name for name, param in inspect.signature(kernel.fn).parameters.items()
               if name in given or param.default is inspect.Parameter.empty]  # optional ones only if given
@@ -120,11 +123,9 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
         maxnreg = module.MAXNREG
     elif module is not None:
         kernel, block_n, num_warps = module.mla_decode_split_kernel_sm90_narrow, module.BLOCK_N, module.NUM_WARPS
-        extra = dict(NUM_BUFS=module.NUM_BUFS, FP8_PV=plan.fp8_probs(keys_dtype))
-        tma = module.tma_options(torch.empty(4, page, 576, dtype=keys_dtype)) if not keys_dense else {}
-        if tma:
-            extra["TMA_BOX"] = tma.pop("TMA_BOX")
-            typed = {name: mangle_type(desc) for name, desc in tma.items()}
+        extra = module.launch_options(torch.empty(4, page, 576, dtype=keys_dtype), plan.fp8_probs(keys_dtype))
+        num_warps, maxnreg = extra.pop("num_warps"), extra.pop("maxnreg", None)
+        typed = {name: mangle_type(extra.pop(name)) for name in ("kc_desc", "kp_desc") if name in extra}
     pointers = dict(q_nope_ptr=torch.bfloat16, q_pe_ptr=torch.bfloat16, cache_ptr=keys_dtype, block_table_ptr=torch.int32,
                     seq_lens_ptr=torch.int32, kv_scale_ptr=torch.float32, tree_mask_ptr=torch.int64,
                     q_start_ptr=torch.int32, out_ptr=torch.float32, lse_ptr=torch.float32)

@@ -19,11 +19,12 @@ one-order A/B reads as a difference between the kernels
 only (the plan is made under it too), to time a launch setting without a new revision:
 
     python -m benchmarks.mla_decode_ab --base HEAD --heads 16 --cache e4m3 \
-        --ours-set decode_sm90_narrow.NUM_BUFS=3 decode_sm90_narrow.PROGRAMS_PER_SM_FP8=1 --out ab.jsonl
+        --ours-set decode_sm90_narrow.PAIRED_BUFS=4 --out ab.jsonl
 
 ``--base-set`` does the same for the base side: the plan and the launch options always come from
 the working tree's modules, so a base that lacks a feature the working tree plans for (an fp8
-``P V`` over E5M2) runs with it switched off: ``--base-set decode_sm90_narrow.USE_FP8_PV=0``.
+``P V`` over E5M2, paired programs) runs with it switched off: ``--base-set
+decode_sm90_narrow.USE_FP8_PV=0`` or ``decode_sm90_narrow.PAIRED_FP8=0``.
 
 Where the repository's history cannot be trusted (on the GPU host, ``git rev-parse HEAD`` named the
 session's first commit after later ones had been made here), ``--base`` takes a folder of the two

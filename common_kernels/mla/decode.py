@@ -331,7 +331,8 @@ def programs_per_sm(block_rows: int, cache_dtype: torch.dtype | None, sm90: bool
     """Split-kernel programs one multiprocessor holds at once with ``_launch_config``'s choices:
     three 4-warp bf16 launches of 16-row groups (159 registers a thread, ptxas for sm_90a; three
     beat two at batch 128); one 8-warp launch (all 255 registers a thread). sm_90's Gluon
-    kernels take most of the shared memory: one, except two of the narrow kernel's fp8 launches."""
+    kernels take most of the shared memory: one (the narrow kernel's fp8 launches: a paired program
+    of two warpgroups, or with ``LATENTSPEED_MLA_DECODE_PAIRED=0`` two programs of one)."""
     fp8 = cache_dtype in FP8_DTYPES
     if sm90:
         return decode_sm90_narrow.programs_per_sm(block_rows, fp8)  # 64-row groups (decode_sm90_seesaw): one
@@ -353,7 +354,7 @@ def plan_decode(
     The split count fills one wave of the GPU (``programs_per_sm`` programs per multiprocessor)
     without giving a split fewer than ``MIN_TOKENS_PER_SPLIT`` tokens or making more than
     ``MAX_SPLITS`` (benchmarks/results/mla_decode-splits-2026-12-01.md); on sm_90's narrow fp8
-    kernel, one program per multiprocessor where two would leave splits shorter than
+    kernel unpaired, one program per multiprocessor where two would leave splits shorter than
     ``MIN_TOKENS_PER_SHARED_SPLIT``. ``cache_dtype``
     (default bf16) sets the launch, hence the occupancy. ``num_splits`` overrides the heuristic
     (1 gives a deterministic, batch-invariant merge). ``sm90``: the launches will run on sm_90's
@@ -600,8 +601,7 @@ def _launch_split(q_nope, q_pe, keys, block_table, seq_lens, kv_scale, tree_mask
         options = dict(num_warps=decode_sm90_seesaw.NUM_WARPS, maxnreg=decode_sm90_seesaw.MAXNREG)
     elif module is decode_sm90_narrow:
         kernel, block_n = decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow, decode_sm90_narrow.BLOCK_N
-        options = dict(NUM_BUFS=decode_sm90_narrow.NUM_BUFS, num_warps=decode_sm90_narrow.NUM_WARPS,
-                       FP8_PV=plan.fp8_probs(keys.dtype), **decode_sm90_narrow.tma_options(keys))
+        options = decode_sm90_narrow.launch_options(keys, plan.fp8_probs(keys.dtype))
     else:
         kernel = _mla_decode_split_kernel
         block_n, num_warps, num_stages = _launch_config(plan.block_rows, page_size, is_fp8)

@@ -43,11 +43,23 @@ wgmma's M and the query rows its N (one warpgroup, 4 warps):
   stall samples on issuing 18 ``cp.async`` a thread a tile
   (``benchmarks/results/ncu-decode-gemm-2026-12-02.json``).
 
+Paired programs (``CONSUMERS = 2``; fp8 caches with bulk copies, ``launch_options``): two
+warpgroups (``gl.warp_specialize``) take turns at the tiles of one split, tile ``i`` from slot
+``i % PAIRED_BUFS`` of one ring of five; each warpgroup refills the slot of its own previous tile
+with the tile ``PAIRED_BUFS`` after it (the other warpgroup's, the ring being odd), and keeps its
+own softmax state. At the end warpgroup 1 leaves its maximum, row sums and ``O^T`` in the idle
+ring and warpgroup 0 merges them (exact under ``FP8_PV``: both maxima are whole numbers) and
+stores. One program a multiprocessor, so at batch 128 a request is one split and needs no merge
+kernel. Against two one-warpgroup programs a multiprocessor (H200, both orders,
+``benchmarks/results/mla_decode-sm90-narrow-paired-2026-12-03.md``): 1.06-1.08x at one query token
+and 4k, 1.10-1.11x at two tokens, about level at 32k.
+
 Shared memory at ``BLOCK_N = 64``: bf16 queries 18 KiB (32 rows: 36), two tiles 144 KiB, one
-program per multiprocessor; fp8 queries 9 KiB (32 rows: 18), two tiles 72 KiB, two programs per
-multiprocessor (``PROGRAMS_PER_SM_FP8``), which hide each other's latencies: measured on the H200
-(``benchmarks/notes.md``, 2026-12-01, seventh session) 1.25-1.33x faster than one program with the
-widening buffer at one query token. (64-row groups with two warpgroups of 32 rows here were
+program per multiprocessor; fp8 queries 9 KiB (32 rows: 18), unpaired two tiles 72 KiB, two
+programs per multiprocessor (``PROGRAMS_PER_SM_FP8``), which hide each other's latencies: measured
+on the H200 (``benchmarks/notes.md``, 2026-12-01, seventh session) 1.25-1.33x faster than one
+program with the widening buffer at one query token; paired five tiles 180 KiB, 192 KiB in all
+(32 rows: 204). (64-row groups with two warpgroups of 32 rows here were
 1.08-1.15x slower than the 64-row kernel of the time in bf16 and 1.25-1.28x in fp8 on the H200:
 ``benchmarks/results/mla_decode-sm90-narrow64-2026-12-02.md``.)
 """
@@ -74,6 +86,8 @@ from .sm90_common import (
     _advance_ring,
     _refill_tma,
     _load_queries,
+    _named_barrier,
+    _page_of,
     _program_split,
     _start_ring,
     _start_ring_tma,
@@ -96,11 +110,30 @@ USE_FP8_PV = 1
 FP8_PV_ENV = "LATENTSPEED_MLA_DECODE_FP8_PV"  # "0": P V in fp16 (V widened) for fp8 caches too
 P_SCALE = gl.constexpr(256.0)  # P in [0, 1] to [0, 256]: normal in E4M3 and E5M2, below their maxima (448, 57344)
 PROGRAMS_PER_SM_FP8 = 2  # fp8 caches: 83 KiB of shared memory (32 rows: 94), 203-255 registers a thread
+# fp8 caches by bulk copies: one program a multiprocessor with two warpgroups taking turns at the tiles
+# of one ring of PAIRED_BUFS slots (192 KiB of shared memory; 32 rows: 204 KiB), instead of two programs.
+PAIRED_FP8 = 1
+PAIRED_ENV = "LATENTSPEED_MLA_DECODE_PAIRED"  # "0": two one-warpgroup programs a multiprocessor
+PAIRED_BUFS = 5
+PAIRED_REGS = 256  # registers a thread of either warpgroup (the launch's cap; 248 left 44 B of spills at 32 rows)
+_PAIRED_REGS = gl.constexpr(PAIRED_REGS)
+# Named barriers over both warpgroups of a paired program (Triton's own use ids 0, 1 and 2 + worker index).
+SYNC_RING_DONE = gl.constexpr("bar.sync 8, 256; mov.u32 $0, 0;")
+SYNC_HANDED_OVER = gl.constexpr("bar.sync 9, 256; mov.u32 $0, 0;")
+ARRIVE_HANDED_OVER = gl.constexpr("bar.arrive 9, 256; mov.u32 $0, 0;")
+
+
+def paired(fp8: bool) -> bool:
+    """Whether fp8 launches that get bulk copies run as paired programs (``PAIRED_FP8``, unless
+    ``LATENTSPEED_MLA_DECODE_PAIRED=0``)."""
+    return bool(PAIRED_FP8) and fp8 and os.environ.get(PAIRED_ENV, "1") != "0"
 
 
 def programs_per_sm(block_rows: int, fp8: bool) -> int:
-    """Programs a multiprocessor holds: two of this kernel's fp8 launches, else one (the registers)."""
-    return PROGRAMS_PER_SM_FP8 if fp8 and block_rows in BLOCK_ROWS else 1
+    """Programs a multiprocessor holds: two of this kernel's one-warpgroup fp8 launches, else one
+    (the registers; a paired program takes the whole multiprocessor). The plan assumes paired
+    programs for every fp8 cache; one that cannot take bulk copies runs unpaired on that plan."""
+    return PROGRAMS_PER_SM_FP8 if fp8 and block_rows in BLOCK_ROWS and not paired(fp8) else 1
 
 
 def fp8_pv(cache_dtype: torch.dtype) -> bool:
@@ -114,6 +147,16 @@ def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, 
     """Whether this kernel takes a launch of that shape (on an sm_90 GPU)."""
     return (block_rows in BLOCK_ROWS and keys_dtype in (torch.bfloat16, torch.float16, *FP8_DTYPES) and paged
             and page_size % BLOCK_N == 0 and (d_latent, d_rope) == (D_LATENT, D_ROPE))
+
+
+def launch_options(keys: torch.Tensor, fp8_probs: bool) -> dict:
+    """The kernel's launch options over the paged cache ``keys`` beyond the common arguments: the
+    ring, the warps, ``FP8_PV`` (``DecodePlan.fp8_probs``), the bulk-copy descriptors where
+    ``tma_options`` gives them, and with them, under ``paired``, two consumers a program."""
+    options = dict(NUM_BUFS=NUM_BUFS, num_warps=NUM_WARPS, FP8_PV=fp8_probs, **tma_options(keys))
+    if "TMA_BOX" in options and paired(True):
+        options.update(NUM_BUFS=PAIRED_BUFS, CONSUMERS=2, maxnreg=PAIRED_REGS)
+    return options
 
 
 _GL_FP8 = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
@@ -192,6 +235,229 @@ def _store_out(out, c: gl.constexpr, out_rows, out_mask, mma_o: gl.constexpr, FP
     gl.store(out_rows + offs_co[:, None], out.to(out_rows.dtype.element_ty), mask=out_mask)
 
 
+@gluon.constexpr_function
+def _scores_layout(BLOCK_R, IS_FP8):
+    """``S^T``'s registers: keys along the 4 warps, query rows as wgmma's N."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_R, 32 if IS_FP8 else 16])
+
+
+@gluon.constexpr_function
+def _out_layout(BLOCK_R, FP8_PV):
+    """``O^T``'s registers, one ``V_CHUNK``-row accumulator a chunk."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_R, 32 if FP8_PV else 16])
+
+
+@gluon.jit
+def _tiles(smem, bars, kc_desc, kp_desc, cache_ptr, bt_row, stride_cache_block, stride_cache_tok, tree_mask_ptr, pid_g,
+           q_start, q_len, draft_start, start, end, page, score_scale, FIRST: gl.constexpr, STEP: gl.constexpr,
+           NUM_HEADS: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr,
+           D_LATENT: gl.constexpr, D_ROPE: gl.constexpr, NUM_BUFS: gl.constexpr, TMA_BOX: gl.constexpr,
+           IS_FP8: gl.constexpr, FP8_PV: gl.constexpr, TREE_MASK: gl.constexpr, PREFIX_ONLY: gl.constexpr):
+    """One warpgroup's pass over tiles ``FIRST``, ``FIRST + STEP``, ... of the split ``[start, end)``
+    (``STEP`` warpgroups take turns over one ring; more than one needs the bulk copies): the online
+    softmax of the module docstring. ``smem``: the queries, the ring, this warpgroup's ``P`` and
+    column-max buffers; ``bars``: the ring's barriers (bulk copies); ``page``: the page of this
+    warpgroup's first refill.
+    Returns the running maximum ``m`` (base 2), the row sums relative to it, and the four ``O^T``
+    chunks (not normalized)."""
+    gl.static_assert(STEP == 1 or TMA_BOX > 0, "warpgroups taking turns refill the ring by bulk copies")
+    qn_smem, qp_smem, kc_ring, kp_ring, p_smem, max_smem = smem
+    key_ty: gl.constexpr = kc_ring.dtype
+    ld_keys: gl.constexpr = (gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0]) if IS_FP8
+                             else gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0]))
+    mma_s: gl.constexpr = _scores_layout(BLOCK_R, IS_FP8)
+    mma_o: gl.constexpr = _out_layout(BLOCK_R, FP8_PV)
+    cols_s: gl.constexpr = gl.SliceLayout(0, mma_s)  # per query row (a column of S^T)
+    cols_o: gl.constexpr = gl.SliceLayout(0, mma_o)
+    pv_ty: gl.constexpr = p_smem.dtype
+    p_op = p_smem.permute([1, 0]) if FP8_PV else p_smem  # an fp8 wgmma operand in shared memory is K-major
+
+    # Column (query row) visibility: causal bound, or tree mask bits.
+    row_s = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=cols_s)
+    tok_j = row_s // NUM_HEADS
+    if TREE_MASK:
+        mask_bits = gl.load(tree_mask_ptr + q_start + tok_j, mask=row_s < q_len * NUM_HEADS, other=0)
+    else:
+        visible = draft_start + 1 + tok_j
+
+    m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, layout=cols_s)
+    l_tile = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, layout=mma_s)
+    acc0 = gl.zeros([V_CHUNK, BLOCK_R], gl.float32, layout=mma_o)
+    acc1 = gl.zeros([V_CHUNK, BLOCK_R], gl.float32, layout=mma_o)
+    acc2 = gl.zeros([V_CHUNK, BLOCK_R], gl.float32, layout=mma_o)
+    acc3 = gl.zeros([V_CHUNK, BLOCK_R], gl.float32, layout=mma_o)
+    v_ops: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=4 if FP8_PV else 2)
+    # FP8_PV: V tiles [keys, latent] as v_ops holds them after _pv's reordering, four latent bytes a word
+    v_words: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [16, 0], [32, 0]],
+        lane_bases=[[4, 0], [8, 0], [0, 4], [0, 8], [0, 16]],
+        warp_bases=[[0, 32], [0, 64]], block_bases=[], shape=[BLOCK_N, V_CHUNK])
+    s_zero = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, layout=mma_s)
+    offs_key = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
+    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+    for i in range(FIRST, n_tiles, STEP):
+        if TMA_BOX:  # the refill of this warpgroup's previous slot waits for the column-max barrier below
+            _wait_tile_tma(kc_ring, bars, i, start, end, BLOCK_N, D_LATENT, NUM_BUFS, ld_keys)
+        else:
+            page = _advance_ring(kc_ring, kp_ring, i, page, start, end, cache_ptr, bt_row, stride_cache_block,
+                                 stride_cache_tok, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, NUM_BUFS, ld_keys)
+        kc = kc_ring.index(i % NUM_BUFS)
+        kp = kp_ring.index(i % NUM_BUFS)
+
+        s = warpgroup_mma(kc, qn_smem.permute([1, 0]), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(kp, qp_smem.permute([1, 0]), s, is_async=True)
+        s, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, qp_smem, kc, kp])
+
+        offs_n = start + i * BLOCK_N + offs_key
+        if TREE_MASK:
+            draft_k = offs_n - draft_start
+            in_tree = ((mask_bits[None, :] >> gl.maximum(draft_k, 0)[:, None].to(gl.int64)) & 1) != 0
+            seen = (offs_n < end)[:, None] & ((draft_k < 0)[:, None] | in_tree)
+        elif PREFIX_ONLY:
+            seen = (offs_n < end)[:, None]
+        else:
+            seen = (offs_n < end)[:, None] & (offs_n[:, None] < visible[None, :])
+        s = gl.where(seen, s * score_scale, float("-inf"))
+        m_new = gl.maximum(m_i, _column_max(s, max_smem, BLOCK_N, BLOCK_R, mma_s))
+        if FP8_PV:  # a whole shift: P's fp8 rounding is then that of P relative to the final shift
+            m_new = gl.ceil(m_new)
+        if TMA_BOX:
+            page = _refill_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, i, page, start, end, bt_row, PAGE_SIZE,
+                               BLOCK_N, D_LATENT, NUM_BUFS, TMA_BOX, STEP)
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_shift)
+        p = gl.exp2(s - m_shift[None, :])
+        l_tile = l_tile * alpha[None, :] + p
+        m_i = m_new
+
+        if FP8_PV:
+            p_smem.store(gl.permute((p * P_SCALE).to(pv_ty), [1, 0]))
+        else:
+            p_smem.store(p.to(pv_ty))
+        fence_async_shared()
+        gl.thread_barrier()  # all of P^T is written before the warpgroup reads it
+        alpha_o = gl.convert_layout(alpha, cols_o)[None, :]
+        acc0, v0 = _pv(kc, 0, p_op, acc0 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
+        acc1, v1 = _pv(kc, 1, p_op, acc1 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
+        if FP8_PV and BLOCK_R == 32:  # two chunks in flight here too: four spill (56 B, sm_90a on 2026-12-03)
+            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=[acc0])
+            acc2, v2 = _pv(kc, 2, p_op, acc2 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
+            acc1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc1])
+            acc3, v3 = _pv(kc, 3, p_op, acc3 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
+            acc2, acc3, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc2, acc3, p_smem, kc])
+        elif FP8_PV:  # 8-bit operands cannot be wait dependencies; ptxas keeps their registers until the wait
+            acc2, v2 = _pv(kc, 2, p_op, acc2 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
+            acc3, v3 = _pv(kc, 3, p_op, acc3 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
+            acc0, acc1, acc2, acc3, _, _ = warpgroup_mma_wait(num_outstanding=0,
+                                                              deps=[acc0, acc1, acc2, acc3, p_smem, kc])
+        elif IS_FP8 and BLOCK_R == 32:  # two V^T chunks in flight: four do not fit the registers at 32 rows
+            acc0, v0 = warpgroup_mma_wait(num_outstanding=1, deps=[acc0, v0])
+            acc2, v2 = _pv(kc, 2, p_op, acc2 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
+            acc1, v1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc1, v1])
+            acc3, v3 = _pv(kc, 3, p_op, acc3 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
+            acc2, acc3, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc2, acc3, p_smem, kc, v2, v3])
+        else:
+            acc2, v2 = _pv(kc, 2, p_op, acc2 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
+            acc3, v3 = _pv(kc, 3, p_op, acc3 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
+            acc0, acc1, acc2, acc3, _, _, _, _, _, _ = warpgroup_mma_wait(
+                num_outstanding=0, deps=[acc0, acc1, acc2, acc3, p_smem, kc, v0, v1, v2, v3])
+    if not TMA_BOX:
+        async_copy.wait_group(0)
+    return m_i, gl.sum(l_tile, axis=0), acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _store_result(m_i, l_i, acc0, acc1, acc2, acc3, kv_scale, out_ptr, lse_ptr, pid_g, pid_s, q_start, q_len,
+                  stride_out_t, stride_out_h, stride_out_s, stride_lse_t, stride_lse_h, NUM_HEADS: gl.constexpr,
+                  BLOCK_R: gl.constexpr, DIRECT_OUT: gl.constexpr, IS_FP8: gl.constexpr, FP8_PV: gl.constexpr):
+    """The normalized output and the log-sum-exp of ``_tiles``' result: the request's rows, or the
+    split's partial (``DIRECT_OUT`` false)."""
+    mma_o: gl.constexpr = _out_layout(BLOCK_R, FP8_PV)
+    cols_o: gl.constexpr = gl.SliceLayout(0, mma_o)
+    cols_s: gl.constexpr = gl.SliceLayout(0, _scores_layout(BLOCK_R, IS_FP8))
+    has_keys = l_i > 0.0
+    safe_l = gl.where(has_keys, l_i, 1.0)
+    lse = gl.where(has_keys, (m_i + gl.log2(safe_l)) * 0.6931471805599453, float("-inf"))  # ln 2
+    out_scale = gl.convert_layout(kv_scale / (safe_l * P_SCALE if FP8_PV else safe_l), cols_o)[None, :]
+
+    row_o = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=cols_o)
+    out_rows = (q_start + row_o // NUM_HEADS)[None, :] * stride_out_t + (row_o % NUM_HEADS)[None, :] * stride_out_h
+    out_mask = (row_o < q_len * NUM_HEADS)[None, :]
+    if not DIRECT_OUT:
+        out_rows += pid_s * stride_out_s
+    _store_out(acc0 * out_scale, 0, out_ptr + out_rows, out_mask, mma_o, FP8_PV)
+    _store_out(acc1 * out_scale, 1, out_ptr + out_rows, out_mask, mma_o, FP8_PV)
+    _store_out(acc2 * out_scale, 2, out_ptr + out_rows, out_mask, mma_o, FP8_PV)
+    _store_out(acc3 * out_scale, 3, out_ptr + out_rows, out_mask, mma_o, FP8_PV)
+    row_s = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=cols_s)
+    lse_ptrs = lse_ptr + (q_start + row_s // NUM_HEADS) * stride_lse_t + (row_s % NUM_HEADS) * stride_lse_h
+    if not DIRECT_OUT:
+        lse_ptrs += pid_s
+    gl.store(lse_ptrs, lse, mask=row_s < q_len * NUM_HEADS)
+
+
+@gluon.jit
+def _merge_partner(m_i, l_i, acc0, acc1, acc2, acc3, vecs, parts, BLOCK_R: gl.constexpr, FP8_PV: gl.constexpr):
+    """This warpgroup's softmax state merged with the one its partner left in shared memory (``vecs``:
+    its maximum and row sums; ``parts``: its four ``O^T`` chunks). Both maxima are whole numbers under
+    ``FP8_PV``, so the rescaling is exact and keeps ``P``'s rounding."""
+    cols_s: gl.constexpr = gl.SliceLayout(0, _scores_layout(BLOCK_R, True))
+    mma_o: gl.constexpr = _out_layout(BLOCK_R, FP8_PV)
+    cols_o: gl.constexpr = gl.SliceLayout(0, mma_o)
+    m_other = vecs.index(0).load(cols_s)
+    m_new = gl.maximum(m_i, m_other)
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_shift)
+    beta = gl.exp2(m_other - m_shift)
+    l_new = l_i * alpha + vecs.index(1).load(cols_s) * beta
+    alpha_o = gl.convert_layout(alpha, cols_o)[None, :]
+    beta_o = gl.convert_layout(beta, cols_o)[None, :]
+    acc0 = acc0 * alpha_o + parts.index(0).load(mma_o) * beta_o
+    acc1 = acc1 * alpha_o + parts.index(1).load(mma_o) * beta_o
+    acc2 = acc2 * alpha_o + parts.index(2).load(mma_o) * beta_o
+    acc3 = acc3 * alpha_o + parts.index(3).load(mma_o) * beta_o
+    return m_new, l_new, acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _consumer(state, WG: gl.constexpr, NUM_HEADS: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_R: gl.constexpr,
+              BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr, NUM_BUFS: gl.constexpr,
+              TMA_BOX: gl.constexpr, FP8_PV: gl.constexpr, TREE_MASK: gl.constexpr, PREFIX_ONLY: gl.constexpr,
+              DIRECT_OUT: gl.constexpr):
+    """Warpgroup ``WG`` of a paired program (``CONSUMERS = 2``): every other tile of the split from
+    the shared ring, then warpgroup 1 hands its softmax state over through the idle ring and warpgroup
+    0 merges and stores. ``state``: the kernel's tuple of shared buffers, descriptors and scalars."""
+    (qn_smem, qp_smem, kc_ring, kp_ring, p_bufs, max_bufs, bars, sscale_smem, vecs, kc_desc, kp_desc, cache_ptr,
+     bt_row, tree_mask_ptr, out_ptr, lse_ptr, kv_scale, pid_g, pid_s, q_start, q_len, draft_start, start, end,
+     stride_out_t, stride_out_h, stride_out_s, stride_lse_t, stride_lse_h) = state
+    cols_s: gl.constexpr = gl.SliceLayout(0, _scores_layout(BLOCK_R, True))
+    score_scale = sscale_smem.load(cols_s)[None, :]
+    page = _page_of(bt_row, start + (NUM_BUFS - 2 + WG) * BLOCK_N, end, PAGE_SIZE)  # this warpgroup's first refill
+    smem = (qn_smem, qp_smem, kc_ring, kp_ring, p_bufs.index(WG), max_bufs.index(WG))
+    m_i, l_i, acc0, acc1, acc2, acc3 = _tiles(
+        smem, bars, kc_desc, kp_desc, cache_ptr, bt_row, 0, 0, tree_mask_ptr, pid_g, q_start, q_len, draft_start, start,
+        end, page, score_scale, WG, 2, NUM_HEADS, PAGE_SIZE, BLOCK_R, BLOCK_N, D_LATENT, D_ROPE, NUM_BUFS, TMA_BOX,
+        True, FP8_PV, TREE_MASK, PREFIX_ONLY)
+    _named_barrier(SYNC_RING_DONE)  # the ring is idle: every tile landed and was read
+    parts = kc_ring._reinterpret(gl.float32, [4, V_CHUNK, BLOCK_R],
+                                 gl.NVMMASharedLayout.get_default_for([V_CHUNK, BLOCK_R], gl.float32))
+    if WG == 1:
+        vecs.index(0).store(m_i)
+        vecs.index(1).store(l_i)
+        parts.index(0).store(acc0)
+        parts.index(1).store(acc1)
+        parts.index(2).store(acc2)
+        parts.index(3).store(acc3)
+        _named_barrier(ARRIVE_HANDED_OVER)
+    else:
+        _named_barrier(SYNC_HANDED_OVER)
+        m_i, l_i, acc0, acc1, acc2, acc3 = _merge_partner(m_i, l_i, acc0, acc1, acc2, acc3, vecs, parts, BLOCK_R,
+                                                          FP8_PV)
+        _store_result(m_i, l_i, acc0, acc1, acc2, acc3, kv_scale, out_ptr, lse_ptr, pid_g, pid_s, q_start, q_len,
+                      stride_out_t, stride_out_h, stride_out_s, stride_lse_t, stride_lse_h, NUM_HEADS, BLOCK_R,
+                      DIRECT_OUT, True, FP8_PV)
+
+
 @gluon.jit
 def mla_decode_split_kernel_sm90_narrow(
     q_nope_ptr,
@@ -236,10 +502,14 @@ def mla_decode_split_kernel_sm90_narrow(
     kp_desc=None,
     TMA_BOX: gl.constexpr = 0,
     FP8_PV: gl.constexpr = False,
+    CONSUMERS: gl.constexpr = 1,
 ):
     gl.static_assert(IS_FP8 == FP8_QUERIES and not KEYS_DENSE, "paged caches; fp8 ones with fp8 queries")
     gl.static_assert((BLOCK_R == 16 or BLOCK_R == 32) and PAGE_SIZE % BLOCK_N == 0 and NUM_BUFS >= 2)
-    gl.static_assert(gl.num_warps() == 4, "one warpgroup")
+    gl.static_assert(gl.num_warps() == 4, "one warpgroup (a second one: CONSUMERS = 2)")
+    if CONSUMERS != 1:
+        gl.static_assert(CONSUMERS == 2 and IS_FP8 and TMA_BOX > 0 and NUM_BUFS >= 3,
+                         "two consumers: fp8 caches by bulk copies, three slots or more")
     dtype: gl.constexpr = q_nope_ptr.dtype.element_ty
     key_ty: gl.constexpr = cache_ptr.dtype.element_ty
     qk_ty: gl.constexpr = gl.float8e4nv if IS_FP8 else dtype
@@ -248,12 +518,6 @@ def mla_decode_split_kernel_sm90_narrow(
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     ld_keys: gl.constexpr = (gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0]) if IS_FP8
                              else ld_layout)
-    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, BLOCK_R, 32 if IS_FP8 else 16])
-    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                    instr_shape=[16, BLOCK_R, 32 if FP8_PV else 16])
-    cols_s: gl.constexpr = gl.SliceLayout(0, mma_s)  # per query row (a column of S^T)
-    cols_o: gl.constexpr = gl.SliceLayout(0, mma_o)
 
     pid_g, pid_s, pid_b, q_start, q_len, draft_start, start, end = _program_split(
         q_start_ptr, seq_lens_ptr, uniform_q_len, BLOCK_N, VARLEN, PREFIX_ONLY)
@@ -263,7 +527,7 @@ def mla_decode_split_kernel_sm90_narrow(
                                           ld_layout)
     if IS_FP8:
         kv_scale = gl.load(kv_scale_ptr)
-        score_scale = gl.convert_layout(qk_scale_log2 * kv_scale / q_scale, cols_s)[None, :]
+        score_scale = qk_scale_log2 * kv_scale / q_scale
     else:
         kv_scale = 1.0
         score_scale = qk_scale_log2
@@ -275,133 +539,44 @@ def mla_decode_split_kernel_sm90_narrow(
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], key_ty))
     kp_ring = gl.allocate_shared_memory(key_ty, [NUM_BUFS, BLOCK_N, D_ROPE],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], key_ty))
-    if FP8_PV:  # an fp8 wgmma operand in shared memory is K-major: P, read as P^T
-        p_smem = gl.allocate_shared_memory(pv_ty, [BLOCK_R, BLOCK_N],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], pv_ty))
-        p_op = p_smem.permute([1, 0])
-    else:
-        p_smem = gl.allocate_shared_memory(pv_ty, [BLOCK_N, BLOCK_R],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_R], pv_ty))
-        p_op = p_smem
-    max_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_R], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-
-    # Column (query row) visibility: causal bound, or tree mask bits.
-    row_s = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=cols_s)
-    tok_j = row_s // NUM_HEADS
-    if TREE_MASK:
-        mask_bits = gl.load(tree_mask_ptr + q_start + tok_j, mask=row_s < q_len * NUM_HEADS, other=0)
-    else:
-        visible = draft_start + 1 + tok_j
+    p_shape: gl.constexpr = [BLOCK_R, BLOCK_N] if FP8_PV else [BLOCK_N, BLOCK_R]  # fp8: P, read as P^T
+    p_bufs = gl.allocate_shared_memory(pv_ty, [CONSUMERS] + p_shape,
+                                       gl.NVMMASharedLayout.get_default_for(p_shape, pv_ty))
+    max_bufs = gl.allocate_shared_memory(gl.float32, [CONSUMERS, 4, BLOCK_R],
+                                         gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
 
     bt_row = block_table_ptr + pid_b * stride_bt_b
     if TMA_BOX:
         bars = gl.allocate_shared_memory(gl.int64, [NUM_BUFS, 1], mbarrier.MBarrierLayout())
         page = _start_ring_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, start, end, bt_row, PAGE_SIZE, BLOCK_N,
-                               D_LATENT, NUM_BUFS, TMA_BOX)
+                               D_LATENT, NUM_BUFS, TMA_BOX, CONSUMERS)
     else:
+        bars = None  # cp.async groups instead
         page = _start_ring(kc_ring, kp_ring, start, end, cache_ptr, bt_row, stride_cache_block, stride_cache_tok,
                            PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, NUM_BUFS, ld_keys)
 
-    m_i = gl.full([BLOCK_R], float("-inf"), gl.float32, layout=cols_s)
-    l_tile = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, layout=mma_s)
-    acc0 = gl.zeros([V_CHUNK, BLOCK_R], gl.float32, layout=mma_o)
-    acc1 = gl.zeros([V_CHUNK, BLOCK_R], gl.float32, layout=mma_o)
-    acc2 = gl.zeros([V_CHUNK, BLOCK_R], gl.float32, layout=mma_o)
-    acc3 = gl.zeros([V_CHUNK, BLOCK_R], gl.float32, layout=mma_o)
-    v_ops: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=4 if FP8_PV else 2)
-    # FP8_PV: V tiles [keys, latent] as v_ops holds them after _pv's reordering, four latent bytes a word
-    v_words: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [16, 0], [32, 0]],
-        lane_bases=[[4, 0], [8, 0], [0, 4], [0, 8], [0, 16]],
-        warp_bases=[[0, 32], [0, 64]], block_bases=[], shape=[BLOCK_N, V_CHUNK])
-    s_zero = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, layout=mma_s)
-    offs_key = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
-    n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
-    for i in range(n_tiles):
-        if TMA_BOX:  # the refill of tile i - 1's slot waits for the column-max barrier below
-            _wait_tile_tma(kc_ring, bars, i, start, end, BLOCK_N, D_LATENT, NUM_BUFS, ld_keys)
-        else:
-            page = _advance_ring(kc_ring, kp_ring, i, page, start, end, cache_ptr, bt_row, stride_cache_block,
-                                 stride_cache_tok, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, NUM_BUFS, ld_keys)
-        kc = kc_ring.index(i % NUM_BUFS)
-        kp = kp_ring.index(i % NUM_BUFS)
-
-        s = warpgroup_mma(kc, qn_smem.permute([1, 0]), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(kp, qp_smem.permute([1, 0]), s, is_async=True)
-        s, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, qp_smem, kc, kp])
-
-        offs_n = start + i * BLOCK_N + offs_key
-        if TREE_MASK:
-            draft_k = offs_n - draft_start
-            in_tree = ((mask_bits[None, :] >> gl.maximum(draft_k, 0)[:, None].to(gl.int64)) & 1) != 0
-            seen = (offs_n < end)[:, None] & ((draft_k < 0)[:, None] | in_tree)
-        elif PREFIX_ONLY:
-            seen = (offs_n < end)[:, None]
-        else:
-            seen = (offs_n < end)[:, None] & (offs_n[:, None] < visible[None, :])
-        s = gl.where(seen, s * score_scale, float("-inf"))
-        m_new = gl.maximum(m_i, _column_max(s, max_smem, BLOCK_N, BLOCK_R, mma_s))
-        if FP8_PV:  # a whole shift: P's fp8 rounding is then that of P relative to the final shift
-            m_new = gl.ceil(m_new)
-        if TMA_BOX:
-            page = _refill_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, i, page, start, end, bt_row, PAGE_SIZE,
-                               BLOCK_N, D_LATENT, NUM_BUFS, TMA_BOX)
-        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_shift)
-        p = gl.exp2(s - m_shift[None, :])
-        l_tile = l_tile * alpha[None, :] + p
-        m_i = m_new
-
-        if FP8_PV:
-            p_smem.store(gl.permute((p * P_SCALE).to(pv_ty), [1, 0]))
-        else:
-            p_smem.store(p.to(pv_ty))
-        fence_async_shared()
-        gl.thread_barrier()  # all of P^T is written before the warpgroup reads it
-        alpha_o = gl.convert_layout(alpha, cols_o)[None, :]
-        acc0, v0 = _pv(kc, 0, p_op, acc0 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
-        acc1, v1 = _pv(kc, 1, p_op, acc1 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
-        if FP8_PV and BLOCK_R == 32:  # two chunks in flight here too: four spill (56 B, sm_90a on 2026-12-03)
-            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=[acc0])
-            acc2, v2 = _pv(kc, 2, p_op, acc2 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
-            acc1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc1])
-            acc3, v3 = _pv(kc, 3, p_op, acc3 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
-            acc2, acc3, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc2, acc3, p_smem, kc])
-        elif FP8_PV:  # 8-bit operands cannot be wait dependencies; ptxas keeps their registers until the wait
-            acc2, v2 = _pv(kc, 2, p_op, acc2 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
-            acc3, v3 = _pv(kc, 3, p_op, acc3 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
-            acc0, acc1, acc2, acc3, _, _ = warpgroup_mma_wait(num_outstanding=0,
-                                                              deps=[acc0, acc1, acc2, acc3, p_smem, kc])
-        elif IS_FP8 and BLOCK_R == 32:  # two V^T chunks in flight: four do not fit the registers at 32 rows
-            acc0, v0 = warpgroup_mma_wait(num_outstanding=1, deps=[acc0, v0])
-            acc2, v2 = _pv(kc, 2, p_op, acc2 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
-            acc1, v1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc1, v1])
-            acc3, v3 = _pv(kc, 3, p_op, acc3 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
-            acc2, acc3, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc2, acc3, p_smem, kc, v2, v3])
-        else:
-            acc2, v2 = _pv(kc, 2, p_op, acc2 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
-            acc3, v3 = _pv(kc, 3, p_op, acc3 * alpha_o, IS_FP8, FP8_PV, v_ops, v_words)
-            acc0, acc1, acc2, acc3, _, _, _, _, _, _ = warpgroup_mma_wait(
-                num_outstanding=0, deps=[acc0, acc1, acc2, acc3, p_smem, kc, v0, v1, v2, v3])
-    if not TMA_BOX:
-        async_copy.wait_group(0)
-
-    l_i = gl.sum(l_tile, axis=0)
-    has_keys = l_i > 0.0
-    safe_l = gl.where(has_keys, l_i, 1.0)
-    lse = gl.where(has_keys, (m_i + gl.log2(safe_l)) * 0.6931471805599453, float("-inf"))  # ln 2
-    out_scale = gl.convert_layout(kv_scale / (safe_l * P_SCALE if FP8_PV else safe_l), cols_o)[None, :]
-
-    row_o = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=cols_o)
-    out_rows = (q_start + row_o // NUM_HEADS)[None, :] * stride_out_t + (row_o % NUM_HEADS)[None, :] * stride_out_h
-    out_mask = (row_o < q_len * NUM_HEADS)[None, :]
-    if not DIRECT_OUT:
-        out_rows += pid_s * stride_out_s
-    _store_out(acc0 * out_scale, 0, out_ptr + out_rows, out_mask, mma_o, FP8_PV)
-    _store_out(acc1 * out_scale, 1, out_ptr + out_rows, out_mask, mma_o, FP8_PV)
-    _store_out(acc2 * out_scale, 2, out_ptr + out_rows, out_mask, mma_o, FP8_PV)
-    _store_out(acc3 * out_scale, 3, out_ptr + out_rows, out_mask, mma_o, FP8_PV)
-    lse_ptrs = lse_ptr + (q_start + tok_j) * stride_lse_t + (row_s % NUM_HEADS) * stride_lse_h
-    if not DIRECT_OUT:
-        lse_ptrs += pid_s
-    gl.store(lse_ptrs, lse, mask=row_s < q_len * NUM_HEADS)
+    if CONSUMERS == 2:
+        vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        sscale_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_R], vec, score_scale)
+        vecs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_R], vec)
+        state = (qn_smem, qp_smem, kc_ring, kp_ring, p_bufs, max_bufs, bars, sscale_smem, vecs, kc_desc, kp_desc,
+                 cache_ptr, bt_row, tree_mask_ptr, out_ptr, lse_ptr, kv_scale, pid_g, pid_s, q_start, q_len,
+                 draft_start, start, end, stride_out_t, stride_out_h, stride_out_s, stride_lse_t, stride_lse_h)
+        gl.warp_specialize([
+            (_consumer, (state, 0, NUM_HEADS, PAGE_SIZE, BLOCK_R, BLOCK_N, D_LATENT, D_ROPE, NUM_BUFS, TMA_BOX, FP8_PV,
+                         TREE_MASK, PREFIX_ONLY, DIRECT_OUT)),
+            (_consumer, (state, 1, NUM_HEADS, PAGE_SIZE, BLOCK_R, BLOCK_N, D_LATENT, D_ROPE, NUM_BUFS, TMA_BOX, FP8_PV,
+                         TREE_MASK, PREFIX_ONLY, DIRECT_OUT)),
+        ], [4], [_PAIRED_REGS])
+    else:
+        cols_s: gl.constexpr = gl.SliceLayout(0, _scores_layout(BLOCK_R, IS_FP8))
+        if IS_FP8:
+            score_scale = gl.convert_layout(score_scale, cols_s)[None, :]
+        smem = (qn_smem, qp_smem, kc_ring, kp_ring, p_bufs.index(0), max_bufs.index(0))
+        m_i, l_i, acc0, acc1, acc2, acc3 = _tiles(
+            smem, bars, kc_desc, kp_desc, cache_ptr, bt_row, stride_cache_block, stride_cache_tok, tree_mask_ptr, pid_g,
+            q_start, q_len, draft_start, start, end, page, score_scale, 0, 1, NUM_HEADS, PAGE_SIZE, BLOCK_R, BLOCK_N,
+            D_LATENT, D_ROPE, NUM_BUFS, TMA_BOX, IS_FP8, FP8_PV, TREE_MASK, PREFIX_ONLY)
+        _store_result(m_i, l_i, acc0, acc1, acc2, acc3, kv_scale, out_ptr, lse_ptr, pid_g, pid_s, q_start, q_len,
+                      stride_out_t, stride_out_h, stride_out_s, stride_lse_t, stride_lse_h, NUM_HEADS, BLOCK_R,
+                      DIRECT_OUT, IS_FP8, FP8_PV)

@@ -66,7 +66,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..fp8_format import FP8_DTYPES
 from .cache import HALF_DTYPES
-from .sm90_common import D_LATENT, D_ROPE, _load_queries, _page_of, _program_split
+from .sm90_common import D_LATENT, D_ROPE, _load_queries, _named_barrier, _page_of, _program_split
 
 BLOCK_R = 64
 BLOCK_N = 64
@@ -92,12 +92,6 @@ def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, 
     """Whether this kernel takes a launch of that shape (on an sm_90 GPU)."""
     return (block_rows == BLOCK_R and keys_dtype in (*HALF_DTYPES, *FP8_DTYPES) and paged
             and page_size % BLOCK_N == 0 and (d_latent, d_rope) == (D_LATENT, D_ROPE))
-
-
-@gluon.jit
-def _named_barrier(ASM: gl.constexpr):
-    """One of the ``SYNC_*`` / ``ARRIVE_*`` handshakes above."""
-    gl.inline_asm_elementwise(ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit

@@ -40,6 +40,14 @@ def _program_split(q_start_ptr, seq_lens_ptr, uniform_q_len, BLOCK_N: gl.constex
 
 
 @gluon.jit
+def _named_barrier(ASM: gl.constexpr):
+    """A named barrier over the warpgroups of a warp-specialized kernel: ``ASM`` is ``bar.sync ID, THREADS``
+    or ``bar.arrive ID, THREADS`` followed by ``mov.u32 $0, 0;`` (Triton's own barriers use ids 0, 1 and
+    2 + the worker partition's index)."""
+    gl.inline_asm_elementwise(ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _page_of(bt_row, n0, end, PAGE_SIZE: gl.constexpr):
     """The page holding token ``n0`` (clamped into ``[0, end)``, so always a valid block-table entry)."""
     return gl.load(bt_row + gl.maximum(gl.minimum(n0, end - 1), 0) // PAGE_SIZE).to(gl.int64)
@@ -109,16 +117,19 @@ def _issue_tile_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, slot, n0, page, pr
 
 @gluon.jit
 def _start_ring_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, start, end, bt_row, PAGE_SIZE: gl.constexpr,
-                    BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr, NUM_BUFS: gl.constexpr, BOX: gl.constexpr):
-    """``_start_ring`` with bulk tensor copies: one barrier a slot, tiles at or past ``end`` not copied."""
+                    BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr, NUM_BUFS: gl.constexpr, BOX: gl.constexpr,
+                    STEP: gl.constexpr = 1):
+    """``_start_ring`` with bulk tensor copies: one barrier a slot, tiles at or past ``end`` not copied.
+    ``STEP`` consumers take turns at the tiles: the first ``NUM_BUFS - STEP`` are issued here, the
+    others by each consumer's first ``_refill_tma``. Returns the page of tile ``NUM_BUFS - STEP``."""
     for t in gl.static_range(NUM_BUFS):
         mbarrier.init(bars.index(t), count=1)
     fence_async_shared()
-    for t in gl.static_range(NUM_BUFS - 1):
+    for t in gl.static_range(NUM_BUFS - STEP):
         n0 = start + t * BLOCK_N
         _issue_tile_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, t, n0, _page_of(bt_row, n0, end, PAGE_SIZE),
                         n0 < end, PAGE_SIZE, D_LATENT, BOX)
-    return _page_of(bt_row, start + (NUM_BUFS - 1) * BLOCK_N, end, PAGE_SIZE)
+    return _page_of(bt_row, start + (NUM_BUFS - STEP) * BLOCK_N, end, PAGE_SIZE)
 
 
 @gluon.jit
@@ -133,12 +144,14 @@ def _wait_tile_tma(kc_ring, bars, i, start, end, BLOCK_N: gl.constexpr, D_LATENT
 
 @gluon.jit
 def _refill_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, i, page, start, end, bt_row, PAGE_SIZE: gl.constexpr,
-                BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr, NUM_BUFS: gl.constexpr, BOX: gl.constexpr):
-    """Once every thread is done with tile ``i - 1`` (past a barrier of tile ``i``): refill its slot
-    with tile ``i + NUM_BUFS - 1`` from ``page``. Returns the page of the tile after it."""
+                BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr, NUM_BUFS: gl.constexpr, BOX: gl.constexpr,
+                STEP: gl.constexpr = 1):
+    """Once every thread of this consumer is done with its previous tile ``i - STEP`` (past a barrier
+    of tile ``i``; ``STEP`` consumers take turns): refill that slot with tile ``i - STEP + NUM_BUFS``
+    from ``page``. Returns the page of this consumer's next refill, tile ``i + NUM_BUFS``."""
     page_next = _page_of(bt_row, start + (i + NUM_BUFS) * BLOCK_N, end, PAGE_SIZE)
-    n0 = start + (i + NUM_BUFS - 1) * BLOCK_N
-    _issue_tile_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, (i + NUM_BUFS - 1) % NUM_BUFS, n0, page, n0 < end,
+    n0 = start + (i - STEP + NUM_BUFS) * BLOCK_N
+    _issue_tile_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, (i - STEP + NUM_BUFS) % NUM_BUFS, n0, page, n0 < end,
                     PAGE_SIZE, D_LATENT, BOX)
     return page_next
 

@@ -256,8 +256,8 @@ def test_decode_rejects_bad_input():
         mla_decode(q_nope, q_pe, cache[..., :80].contiguous(), table, lens, 1.0, plan, fresh_kv=q_nope[:, 0])
 
 
-def test_plan_bounds_workspace():
-    from common_kernels.mla import max_workspace_tokens_times_splits
+def test_plan_bounds_workspace(monkeypatch):
+    from common_kernels.mla import decode_sm90_narrow, max_workspace_tokens_times_splits
     from common_kernels.mla.decode import MAX_SPLITS
 
     for batch in (1, 3, 17, 128, 512):
@@ -272,16 +272,20 @@ def test_plan_bounds_workspace():
     assert plan_decode(8, 128, 1, 1 << 17, num_sms=132).num_splits == 132 // 16
     assert plan_decode(128, 16, 1, 1 << 17, num_sms=132).num_splits == 3 * 132 // 128
     assert plan_decode(8, 16, 1, 1 << 17, num_sms=132, cache_dtype=torch.float8_e4m3fn).num_splits == 132 // 8
-    # sm_90's Gluon kernels: one program per multiprocessor, two for the narrow kernel's fp8 caches.
+    # sm_90's Gluon kernels: one program per multiprocessor (the narrow kernel's fp8 caches: a paired
+    # program, two warpgroups), or two one-warpgroup programs of the narrow kernel's fp8 launches.
     assert plan_decode(128, 16, 1, 1 << 17, num_sms=132, sm90=True).num_splits == 1
     assert plan_decode(8, 16, 2, 1 << 17, num_sms=132, sm90=True).num_splits == 132 // 8
-    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
-        for q_len in (1, 2):
-            assert plan_decode(128, 16, q_len, 1 << 17, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 2
-        assert plan_decode(8, 128, 1, 1 << 17, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 132 // 16
-        # Two programs would split 4096 tokens 32 ways (128 each): one program a multiprocessor.
-        assert plan_decode(8, 16, 1, 4096, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 132 // 8
-        assert plan_decode(128, 16, 1, 500, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 1
+    for paired in ("1", "0"):
+        monkeypatch.setenv(decode_sm90_narrow.PAIRED_ENV, paired)
+        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+            for q_len in (1, 2):
+                plan = plan_decode(128, 16, q_len, 1 << 17, num_sms=132, cache_dtype=fp8, sm90=True)
+                assert plan.num_splits == (1 if paired == "1" else 2)
+            assert plan_decode(8, 128, 1, 1 << 17, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 132 // 16
+            # Two programs would split 4096 tokens 32 ways (128 each): one program a multiprocessor.
+            assert plan_decode(8, 16, 1, 4096, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 132 // 8
+            assert plan_decode(128, 16, 1, 500, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 1
 
 
 def test_sm90_kernel_routing():
@@ -386,6 +390,26 @@ def test_narrow_kernel_bulk_copies_only_contiguous_fp8_pages(monkeypatch):
         assert decode_sm90_narrow.tma_options(torch.zeros(6, page, 576, dtype=torch.bfloat16)) == {}
     monkeypatch.setenv(decode_sm90_narrow.TMA_ENV, "0")
     assert decode_sm90_narrow.tma_options(torch.zeros(6, 64, 576, dtype=torch.float8_e4m3fn)) == {}
+
+
+def test_narrow_kernel_pairs_warpgroups_over_bulk_copies(monkeypatch):
+    """``launch_options``: fp8 caches that get bulk copies launch paired programs (two warpgroups
+    over one ring of ``PAIRED_BUFS`` slots, a register cap for both); 16-bit caches, fp8 caches
+    without bulk copies and ``LATENTSPEED_MLA_DECODE_PAIRED=0`` launch one warpgroup a program."""
+    from common_kernels.mla import decode_sm90_narrow as narrow
+
+    for dtype in FP8_CACHE.values():
+        options = narrow.launch_options(torch.zeros(6, 64, 576, dtype=dtype), fp8_probs=True)
+        assert (options["CONSUMERS"], options["NUM_BUFS"], options["maxnreg"]) == (2, narrow.PAIRED_BUFS,
+                                                                                   narrow.PAIRED_REGS)
+        assert options["FP8_PV"] and options["num_warps"] == narrow.NUM_WARPS and "kc_desc" in options
+        gapped = narrow.launch_options(torch.zeros(6, 65, 576, dtype=dtype)[:, :64], fp8_probs=True)
+        assert "CONSUMERS" not in gapped and gapped["NUM_BUFS"] == narrow.NUM_BUFS
+    assert narrow.launch_options(torch.zeros(6, 64, 576, dtype=torch.bfloat16), fp8_probs=False) == dict(
+        NUM_BUFS=narrow.NUM_BUFS, num_warps=narrow.NUM_WARPS, FP8_PV=False)
+    monkeypatch.setenv(narrow.PAIRED_ENV, "0")
+    options = narrow.launch_options(torch.zeros(6, 64, 576, dtype=torch.float8_e4m3fn), fp8_probs=True)
+    assert "CONSUMERS" not in options and "maxnreg" not in options and options["TMA_BOX"] == narrow.TMA_BOX
 
 
 @pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())

@@ -136,3 +136,27 @@ def test_narrow_tree_mask(monkeypatch, cache_name):
                                   fp8_probs=fp8_probs)
     assert_close(out, ref, atol=1e-2, rtol=2e-2, name="narrow tree out", **fp8_probs_flips(fp8_probs))
     assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="narrow tree lse")
+
+
+@pytest.mark.parametrize("cache_name", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("num_splits", [1, None], ids=["direct", "planned"])
+@pytest.mark.parametrize("q_len", [1, 2], ids=lambda q: f"q{q}")
+@pytest.mark.parametrize("paired", ["1", "0"], ids=["paired", "unpaired"])
+def test_narrow_fp8_paired_or_not(monkeypatch, cache_name, num_splits, q_len, paired):
+    """fp8 caches at 16 heads, both ways the narrow kernel runs them: paired programs (two warpgroups
+    taking turns at the tiles of one ring, merged in shared memory; requests of one tile leave the
+    second warpgroup without keys) and, with ``LATENTSPEED_MLA_DECODE_PAIRED=0``, one warpgroup a
+    program; each against the reference with the plan made under that setting."""
+    monkeypatch.setenv(decode_sm90_narrow.PAIRED_ENV, paired)
+    cache_dtype, q_dtype = CACHES[cache_name]
+    kv_scale = torch.tensor([0.02], device="cuda")
+    q_nope, q_pe, cache, table, lens = _inputs(cache_dtype, 64, q_dtype, 0.02, 16, q_len)
+    assert ("CONSUMERS" in decode_sm90_narrow.launch_options(cache, True)) == (paired == "1")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = plan_decode(len(SEQ_LENS), 16, q_len, max(SEQ_LENS), sms, num_splits=num_splits, cache_dtype=cache_dtype,
+                       sm90=True)
+    args = (q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale)
+    out, lse = _decode(monkeypatch, True, *args)
+    ref, ref_lse = mla_decode_ref(*args[:6], kv_scale, fp8_queries=True, fp8_probs=True)
+    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="narrow fp8 out", **fp8_probs_flips(True))
+    assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="narrow fp8 lse")
