@@ -238,13 +238,15 @@ def _store_out(out, c: gl.constexpr, out_rows, out_mask, mma_o: gl.constexpr, FP
 @gluon.constexpr_function
 def _scores_layout(BLOCK_R, IS_FP8):
     """``S^T``'s registers: keys along the 4 warps, query rows as wgmma's N."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_R, 32 if IS_FP8 else 16])
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, BLOCK_R, 32 if IS_FP8 else 16])
 
 
 @gluon.constexpr_function
 def _out_layout(BLOCK_R, FP8_PV):
     """``O^T``'s registers, one ``V_CHUNK``-row accumulator a chunk."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_R, 32 if FP8_PV else 16])
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, BLOCK_R, 32 if FP8_PV else 16])
 
 
 @gluon.jit
