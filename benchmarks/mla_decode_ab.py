@@ -19,7 +19,7 @@ one-order A/B reads as a difference between the kernels
 only (the plan is made under it too), to time a launch setting without a new revision:
 
     python -m benchmarks.mla_decode_ab --base HEAD --heads 16 --cache e4m3 \
-        --ours-set decode_sm90_narrow.PAIRED_BUFS=4 --out ab.jsonl
+        --ours-set decode_sm90_narrow.PAIRED_FP8=1 --out ab.jsonl
 
 ``--base-set`` does the same for the base side: the plan and the launch options always come from
 the working tree's modules, so a base that lacks a feature the working tree plans for (an fp8

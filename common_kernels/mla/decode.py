@@ -331,8 +331,8 @@ def programs_per_sm(block_rows: int, cache_dtype: torch.dtype | None, sm90: bool
     """Split-kernel programs one multiprocessor holds at once with ``_launch_config``'s choices:
     three 4-warp bf16 launches of 16-row groups (159 registers a thread, ptxas for sm_90a; three
     beat two at batch 128); one 8-warp launch (all 255 registers a thread). sm_90's Gluon
-    kernels take most of the shared memory: one (the narrow kernel's fp8 launches: a paired program
-    of two warpgroups, or with ``LATENTSPEED_MLA_DECODE_PAIRED=0`` two programs of one)."""
+    kernels take most of the shared memory: one, except two of the narrow kernel's fp8 launches
+    (one, of two warpgroups, with ``LATENTSPEED_MLA_DECODE_PAIRED=1``)."""
     fp8 = cache_dtype in FP8_DTYPES
     if sm90:
         return decode_sm90_narrow.programs_per_sm(block_rows, fp8)  # 64-row groups (decode_sm90_seesaw): one

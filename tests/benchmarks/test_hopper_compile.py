@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def hopper_compile(*args: str, **environ: str) -> dict:
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"} | environ
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("TRITON_INTERPRET", "LATENTSPEED_MLA_DECODE_PAIRED")} | environ
     done = subprocess.run([sys.executable, "-m", "benchmarks.hopper_compile", "--json", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -43,18 +44,17 @@ def test_every_kernel_compiles_for_hopper():
                            "other instructions touch an in-flight accumulator)"
     # 16 heads over a paged fp8 cache: the narrow kernel's tiles come by bulk tensor copies, one box
     # of 64 rows by 128 bytes for each quarter of the latent part and one for the RoPE part, issued
-    # by paired programs in three places (the ring's first PAIRED_BUFS - 2 tiles, unrolled, and each
-    # warpgroup's refill), each warpgroup with its own copy of the loop; one warpgroup a program
-    # (LATENTSPEED_MLA_DECODE_PAIRED=0): the ring's first tile and the refill
+    # in two places (the ring's first tile and the refill); paired programs
+    # (LATENTSPEED_MLA_DECODE_PAIRED=1) issue them in three (the ring's first PAIRED_BUFS - 2 tiles,
+    # unrolled, and each warpgroup's refill), each warpgroup with its own copy of the loop
     for label in ("decode, 16 heads, e4m3", "decode, 16 heads, e4m3, 2 tokens",
                   "decode, 16 heads, e4m3, extend prefix"):
-        assert reports[label]["tma_copies"] == 5 * (PAIRED_BUFS - 2 + 2) and reports[label]["async_copies"] == 0, label
-        assert reports[label]["spill_bytes"] <= 32, label
+        assert reports[label]["tma_copies"] == 2 * 5 and reports[label]["async_copies"] == 0, label
     for q_len, label in ((1, "decode, 16 heads, e4m3"), (2, "decode, 16 heads, e4m3, 2 tokens")):
-        unpaired, = hopper_compile("decode", "--heads", "16", "--cache", "e4m3", "--q-len", str(q_len),
-                                   LATENTSPEED_MLA_DECODE_PAIRED="0").values()
-        assert unpaired["tma_copies"] == 2 * 5 and unpaired["async_copies"] == 0, label
-        assert reports[label]["wgmma"] == 2 * unpaired["wgmma"], label
+        paired, = hopper_compile("decode", "--heads", "16", "--cache", "e4m3", "--q-len", str(q_len),
+                                 LATENTSPEED_MLA_DECODE_PAIRED="1").values()
+        assert paired["tma_copies"] == 5 * (PAIRED_BUFS - 2 + 2) and paired["async_copies"] == 0, label
+        assert paired["wgmma"] == 2 * reports[label]["wgmma"] and paired["spill_bytes"] <= 32, label
     assert reports["decode, 16 heads, bf16"]["tma_copies"] == 0 < reports["decode, 16 heads, bf16"]["async_copies"]
     # 64-row groups over a paged cache compile decode_sm90_seesaw: each warpgroup its own partition
     # ([4, 1] warps) with a whole 64-key score tile and 256 output columns, under the launch's

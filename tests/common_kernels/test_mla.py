@@ -272,10 +272,11 @@ def test_plan_bounds_workspace(monkeypatch):
     assert plan_decode(8, 128, 1, 1 << 17, num_sms=132).num_splits == 132 // 16
     assert plan_decode(128, 16, 1, 1 << 17, num_sms=132).num_splits == 3 * 132 // 128
     assert plan_decode(8, 16, 1, 1 << 17, num_sms=132, cache_dtype=torch.float8_e4m3fn).num_splits == 132 // 8
-    # sm_90's Gluon kernels: one program per multiprocessor (the narrow kernel's fp8 caches: a paired
-    # program, two warpgroups), or two one-warpgroup programs of the narrow kernel's fp8 launches.
+    # sm_90's Gluon kernels: one program per multiprocessor, two of the narrow kernel's fp8 launches
+    # (one paired program of two warpgroups with LATENTSPEED_MLA_DECODE_PAIRED=1; off by default).
     assert plan_decode(128, 16, 1, 1 << 17, num_sms=132, sm90=True).num_splits == 1
     assert plan_decode(8, 16, 2, 1 << 17, num_sms=132, sm90=True).num_splits == 132 // 8
+    assert not decode_sm90_narrow.paired(True)
     for paired in ("1", "0"):
         monkeypatch.setenv(decode_sm90_narrow.PAIRED_ENV, paired)
         for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -393,11 +394,15 @@ def test_narrow_kernel_bulk_copies_only_contiguous_fp8_pages(monkeypatch):
 
 
 def test_narrow_kernel_pairs_warpgroups_over_bulk_copies(monkeypatch):
-    """``launch_options``: fp8 caches that get bulk copies launch paired programs (two warpgroups
-    over one ring of ``PAIRED_BUFS`` slots, a register cap for both); 16-bit caches, fp8 caches
-    without bulk copies and ``LATENTSPEED_MLA_DECODE_PAIRED=0`` launch one warpgroup a program."""
+    """``launch_options`` with ``LATENTSPEED_MLA_DECODE_PAIRED=1``: fp8 caches that get bulk copies
+    launch paired programs (two warpgroups over one ring of ``PAIRED_BUFS`` slots, a register cap
+    for both); 16-bit caches and fp8 caches without bulk copies launch one warpgroup a program, and
+    so does every cache by default or with ``=0``."""
     from common_kernels.mla import decode_sm90_narrow as narrow
 
+    unset = narrow.launch_options(torch.zeros(6, 64, 576, dtype=torch.float8_e4m3fn), fp8_probs=True)
+    assert "CONSUMERS" not in unset and unset["NUM_BUFS"] == narrow.NUM_BUFS  # off by default
+    monkeypatch.setenv(narrow.PAIRED_ENV, "1")
     for dtype in FP8_CACHE.values():
         options = narrow.launch_options(torch.zeros(6, 64, 576, dtype=dtype), fp8_probs=True)
         assert (options["CONSUMERS"], options["NUM_BUFS"], options["maxnreg"]) == (2, narrow.PAIRED_BUFS,
