@@ -44,6 +44,10 @@ class HopperReport:
     mma_layouts: tuple[str, ...]  # warpsPerCTA and instrShape of each MMA layout
     wgmma_serialized: bool  # ptxas waits after every wgmma: C7511 (short of registers), C7514/C7515 (see gemm_sm90)
     shared_bytes: int  # shared memory a program takes (sm_90 gives a block at most 227 KiB)
+    # warp-specialized kernels: for each partition, the ids of Triton's own warpgroup barriers
+    # (``bar.sync ID, 128``) in its code before its first barrier shared with the other partition
+    # (``partition_barrier_ids``); empty for other kernels
+    partition_barrier_ids: tuple[tuple[int, ...], ...] = ()
 
     def line(self) -> str:
         return (f"registers {self.registers}, spills {self.spill_bytes} B, shared {self.shared_bytes // 1024} KiB, "
@@ -100,7 +104,23 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int,
     layouts = tuple(sorted(set(re.findall(r"warpsPerCTA = \[\d+, \d+\], instrShape = \[[\d, ]+\]", ttgir))))
     return HopperReport(registers, spills, ptx.count("wgmma.mma_async"), ttgir.count("async_copy_global_to_local"),
                         ttgir.count("async_tma_copy_global_to_local"), layouts,
-                        "wgmma.mma_async instructions are serialized" in verbose, compiled.metadata.shared)
+                        "wgmma.mma_async instructions are serialized" in verbose, compiled.metadata.shared,
+                        partition_barrier_ids(ptx))
+
+
+def partition_barrier_ids(ptx: str) -> tuple[tuple[int, ...], ...]:
+    """For each partition of a warp-specialized kernel (the PTX between Triton's ``barrier.sync 1``
+    hand-offs that holds a 256-thread named barrier), the ids of the 128-thread ``bar.sync`` in its
+    code before its first 256-thread one. Two partitions sharing such an id race: a warpgroup's
+    barrier can be released by the other's arrivals (the paired decode kernel's first build,
+    ``benchmarks/results/mla_decode-sm90-narrow-paired-2026-12-03.md``)."""
+    ids = []
+    for segment in re.split(r"\n\s*barrier\.sync\s+1;", ptx):
+        shared = re.search(r"bar\.(?:sync|arrive)\s+\d+,\s*256;", segment)
+        if shared:
+            ids.append(tuple(sorted({int(i) for i in re.findall(r"bar\.sync\s+(\d+),\s*128;",
+                                                                segment[:shared.start()])})))
+    return tuple(ids)
 
 
 def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 64, varlen: bool = False,

@@ -55,6 +55,9 @@ def test_every_kernel_compiles_for_hopper():
                                  LATENTSPEED_MLA_DECODE_PAIRED="1").values()
         assert paired["tma_copies"] == 5 * (PAIRED_BUFS - 2 + 2) and paired["async_copies"] == 0, label
         assert paired["wgmma"] == 2 * reports[label]["wgmma"] and paired["spill_bytes"] <= 32, label
+        _assert_partitions_keep_their_barriers(paired, label)
+    for label in ("decode, 128 heads, bf16", "decode, 128 heads, e4m3"):
+        _assert_partitions_keep_their_barriers(reports[label], label)
     assert reports["decode, 16 heads, bf16"]["tma_copies"] == 0 < reports["decode, 16 heads, bf16"]["async_copies"]
     # 64-row groups over a paged cache compile decode_sm90_seesaw: each warpgroup its own partition
     # ([4, 1] warps) with a whole 64-key score tile and 256 output columns, under the launch's
@@ -66,6 +69,14 @@ def test_every_kernel_compiles_for_hopper():
         assert report["registers"] <= 240 and report["spill_bytes"] <= (48 if fp8 else 0), label
         assert set(report["mma_layouts"]) == {f"warpsPerCTA = [4, 1], instrShape = [16, 64, {32 if fp8 else 16}]",
                                               "warpsPerCTA = [4, 1], instrShape = [16, 256, 16]"}, label
+
+
+def _assert_partitions_keep_their_barriers(report: dict, label: str) -> None:
+    """A kernel of two warp-specialized warpgroups: until they first meet at a named barrier, no
+    barrier id of Triton's own is used by both (the paired decode kernel's first build shared one
+    and raced: ``hopper_compile.partition_barrier_ids``)."""
+    first, second = report["partition_barrier_ids"]
+    assert first and second and not set(first) & set(second), f"{label}: {report['partition_barrier_ids']}"
 
 
 def test_gemm_register_cap_reaches_ptxas():
