@@ -129,16 +129,17 @@ ARRIVE_HANDED_OVER = gl.constexpr("bar.arrive 9, 256; mov.u32 $0, 0;")
 
 
 def paired(fp8: bool) -> bool:
-    """Whether fp8 launches that get bulk copies run as paired programs: ``LATENTSPEED_MLA_DECODE_PAIRED``
-    (``1`` or ``0``) where set, else ``PAIRED_FP8``."""
+    """Whether fp8 launches that get bulk copies run as paired programs:
+    ``LATENTSPEED_MLA_DECODE_PAIRED`` (``1`` or ``0``) where set, else ``PAIRED_FP8``."""
     setting = os.environ.get(PAIRED_ENV)
     return fp8 and (bool(PAIRED_FP8) if setting is None else setting != "0")
 
 
 def programs_per_sm(block_rows: int, fp8: bool) -> int:
     """Programs a multiprocessor holds: two of this kernel's one-warpgroup fp8 launches, else one
-    (the registers; a paired program takes the whole multiprocessor). The plan assumes paired
-    programs for every fp8 cache; one that cannot take bulk copies runs unpaired on that plan."""
+    (the registers; a paired program takes the whole multiprocessor). Under ``paired`` the plan
+    assumes paired programs for every fp8 cache; one that cannot take bulk copies runs unpaired on
+    that plan."""
     return PROGRAMS_PER_SM_FP8 if fp8 and block_rows in BLOCK_ROWS and not paired(fp8) else 1
 
 
@@ -593,6 +594,6 @@ def mla_decode_split_kernel_sm90_narrow(
             smem, bars, kc_desc, kp_desc, cache_ptr, bt_row, stride_cache_block, stride_cache_tok, tree_mask_ptr, pid_g,
             q_start, q_len, draft_start, start, end, page, score_scale, 0, 1, NUM_HEADS, PAGE_SIZE, BLOCK_R, BLOCK_N,
             D_LATENT, D_ROPE, NUM_BUFS, TMA_BOX, IS_FP8, FP8_PV, TREE_MASK, PREFIX_ONLY)
-        _store_result(m_i, gl.sum(l_tile, axis=0), acc0, acc1, acc2, acc3, kv_scale, out_ptr, lse_ptr, pid_g, pid_s, q_start, q_len,
-                      stride_out_t, stride_out_h, stride_out_s, stride_lse_t, stride_lse_h, NUM_HEADS, BLOCK_R,
-                      DIRECT_OUT, IS_FP8, FP8_PV)
+        _store_result(m_i, gl.sum(l_tile, axis=0), acc0, acc1, acc2, acc3, kv_scale, out_ptr, lse_ptr, pid_g, pid_s,
+                      q_start, q_len, stride_out_t, stride_out_h, stride_out_s, stride_lse_t, stride_lse_h, NUM_HEADS,
+                      BLOCK_R, DIRECT_OUT, IS_FP8, FP8_PV)
