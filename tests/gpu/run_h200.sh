@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels ncu bench bench-small tune-gemm tune-moe fp8-bench moe-bench producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels ncu bench bench-small paired-check tune-gemm tune-moe fp8-bench moe-bench producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
 #                                         bundle on PYTHONPATH), fp8-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8 sglang-e2e-w8-fused
 #                                         sglang-ct-e2e sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         refmodel (train the reference model; no engine needed),
@@ -50,6 +50,15 @@ for step in "$@"; do
           --ctx 512 1024 2048 4096 --cache $caches --out "$out/mla_decode_batch${batch}_$provider.json" 2>&1 \
           | tee -a "$out/bench-small.log" | grep -E '^\{|Error' | tail -n 20
       done; done ;;
+    paired-check)  # the narrow kernel's paired programs (LATENTSPEED_MLA_DECODE_PAIRED=1, off by default): the fp8
+      # 16-head decode tests five times (their first build failed now and then in short splits), then an
+      # A/B of paired against unpaired, both from the working tree (results/mla_decode-sm90-narrow-paired-2026-12-03.md)
+      for i in 1 2 3 4 5; do
+        LATENTSPEED_MLA_DECODE_PAIRED=1 python3 -m pytest -q -p no:warnings -rf --tb=short tests/gpu/test_decode_sm90.py \
+          -k "(H16 and (e4m3 or e5m2)) or paired_or_not" 2>&1 | tail -n 12 | tee -a "$out/paired-check.log"
+      done
+      python3 -m benchmarks.mla_decode_ab --base common_kernels/mla --ours-set decode_sm90_narrow.PAIRED_FP8=1 \
+        --heads 16 --q-len 1 2 --cache e4m3 e5m2 --both-orders --out "$out/paired-ab.jsonl" 2>&1 | tail -n 3 ;;
     tune-gemm)
       python3 -m benchmarks.tune_fp8_gemm --out "$out/gemm_configs.json" 2>"$out/tune-gemm.err" | tee "$out/tune-gemm.log" \
         && export LATENTSPEED_FP8_GEMM_CONFIGS=$(realpath "$out")/gemm_configs.json ;;
