@@ -276,6 +276,7 @@ def test_plan_bounds_workspace(monkeypatch):
     # (one paired program of two warpgroups with LATENTSPEED_MLA_DECODE_PAIRED=1; off by default).
     assert plan_decode(128, 16, 1, 1 << 17, num_sms=132, sm90=True).num_splits == 1
     assert plan_decode(8, 16, 2, 1 << 17, num_sms=132, sm90=True).num_splits == 132 // 8
+    monkeypatch.delenv(decode_sm90_narrow.PAIRED_ENV, raising=False)
     assert not decode_sm90_narrow.paired(True)
     for paired in ("1", "0"):
         monkeypatch.setenv(decode_sm90_narrow.PAIRED_ENV, paired)
@@ -400,6 +401,7 @@ def test_narrow_kernel_pairs_warpgroups_over_bulk_copies(monkeypatch):
     so does every cache by default or with ``=0``."""
     from common_kernels.mla import decode_sm90_narrow as narrow
 
+    monkeypatch.delenv(narrow.PAIRED_ENV, raising=False)
     unset = narrow.launch_options(torch.zeros(6, 64, 576, dtype=torch.float8_e4m3fn), fp8_probs=True)
     assert "CONSUMERS" not in unset and unset["NUM_BUFS"] == narrow.NUM_BUFS  # off by default
     monkeypatch.setenv(narrow.PAIRED_ENV, "1")
