@@ -143,7 +143,8 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
         maxnreg = module.MAXNREG
     elif module is not None:
         kernel, block_n, num_warps = module.mla_decode_split_kernel_sm90_narrow, module.BLOCK_N, module.NUM_WARPS
-        extra = module.launch_options(torch.empty(4, page, 576, dtype=keys_dtype), plan.fp8_probs(keys_dtype))
+        extra = module.launch_options(torch.empty(4, page, 576, dtype=keys_dtype), plan.fp8_probs(keys_dtype),
+                                       plan.paired)
         num_warps, maxnreg = extra.pop("num_warps"), extra.pop("maxnreg", None)
         typed = {name: mangle_type(extra.pop(name)) for name in ("kc_desc", "kp_desc") if name in extra}
     pointers = dict(q_nope_ptr=torch.bfloat16, q_pe_ptr=torch.bfloat16, cache_ptr=keys_dtype, block_table_ptr=torch.int32,

@@ -19,7 +19,7 @@ one-order A/B reads as a difference between the kernels
 only (the plan is made under it too), to time a launch setting without a new revision:
 
     python -m benchmarks.mla_decode_ab --base HEAD --heads 16 --cache e4m3 \
-        --ours-set decode_sm90_narrow.PAIRED_FP8=1 --out ab.jsonl
+        --ours-set decode_sm90_narrow.PAIRED_FP8=0 --out ab.jsonl
 
 ``--base-set`` does the same for the base side: the plan and the launch options always come from
 the working tree's modules, so a base that lacks a feature the working tree plans for (an fp8
@@ -138,7 +138,7 @@ def measure(side: str, kernels, constants, inputs, dtype, batch: int, heads: int
         use(kernels)
         try:
             plan = plan_decode(batch, heads, q_len, ctx, sms, cache_dtype=dtype, sm90=sm90)
-            row = {f"{side}_splits": plan.num_splits}
+            row = {f"{side}_splits": plan.num_splits, f"{side}_paired": plan.paired}
             if check:
                 scale = kv_scale if dtype != torch.bfloat16 else None
                 got, _ = mla_decode(q[..., :D_LATENT], q[..., D_LATENT:], cache, table, lens, SCALE, plan, scale)
@@ -194,8 +194,8 @@ def main() -> None:
         for cache_name, heads, q_len, ctx in itertools.product(args.cache, args.heads, args.q_len, args.ctx):
             dtype = DTYPES[cache_name]
             inputs = (*make_inputs(args.batch, heads, q_len, ctx, dtype), kv_scale)
-            row = dict(base=args.base, base_set=args.base_set, ours_set=args.ours_set, cache=cache_name, heads=heads,
-                       q_len=q_len, ctx=ctx)
+            row = dict(base=args.base, base_set=args.base_set, ours_set=args.ours_set, cache=cache_name,
+                       batch=args.batch, heads=heads, q_len=q_len, ctx=ctx)
             row |= compare(lambda side, kernels, constants, check: measure(
                 side, kernels, constants, inputs, dtype, args.batch, heads, q_len, ctx, check),
                 [("base", base, base_settings), ("ours", None, settings)], check=ctx == args.ctx[0],

@@ -291,6 +291,7 @@ class DecodePlan:
     block_rows: int
     num_splits: int
     sm90: bool = False  # made for the Gluon kernels of sm_90 (``sm90_kernels_apply``)
+    paired: bool = False  # sm_90's narrow fp8 launches as paired programs (``decode_sm90_narrow.pairs``)
 
     def fp8_queries(self, cache_dtype: torch.dtype) -> bool:
         """Whether ``Q K^T`` runs in fp8 (queries quantized per row to E4M3): fp8 caches
@@ -331,11 +332,11 @@ def programs_per_sm(block_rows: int, cache_dtype: torch.dtype | None, sm90: bool
     """Split-kernel programs one multiprocessor holds at once with ``_launch_config``'s choices:
     three 4-warp bf16 launches of 16-row groups (159 registers a thread, ptxas for sm_90a; three
     beat two at batch 128); one 8-warp launch (all 255 registers a thread). sm_90's Gluon
-    kernels take most of the shared memory: one, except two of the narrow kernel's fp8 launches
-    (one, of two warpgroups, with ``LATENTSPEED_MLA_DECODE_PAIRED=1``)."""
+    kernels take most of the shared memory: one, except two of the narrow kernel's unpaired fp8
+    launches."""
     fp8 = cache_dtype in FP8_DTYPES
     if sm90:
-        return decode_sm90_narrow.programs_per_sm(block_rows, fp8)  # 64-row groups (decode_sm90_seesaw): one
+        return decode_sm90_narrow.programs_per_sm(block_rows, fp8, False)  # 64-row groups (seesaw): one
     return MAX_PROGRAMS_PER_SM if block_rows <= 16 and not fp8 else 1
 
 
@@ -353,9 +354,10 @@ def plan_decode(
 
     The split count fills one wave of the GPU (``programs_per_sm`` programs per multiprocessor)
     without giving a split fewer than ``MIN_TOKENS_PER_SPLIT`` tokens or making more than
-    ``MAX_SPLITS`` (benchmarks/results/mla_decode-splits-2026-12-01.md); on sm_90's narrow fp8
-    kernel unpaired, one program per multiprocessor where two would leave splits shorter than
-    ``MIN_TOKENS_PER_SHARED_SPLIT``. ``cache_dtype``
+    ``MAX_SPLITS`` (benchmarks/results/mla_decode-splits-2026-12-01.md). On sm_90's narrow fp8
+    kernel: paired programs (one a multiprocessor) where their splits are long enough
+    (``decode_sm90_narrow.pairs``), else two one-warpgroup programs, or one where two would leave
+    splits shorter than ``MIN_TOKENS_PER_SHARED_SPLIT``. ``cache_dtype``
     (default bf16) sets the launch, hence the occupancy. ``num_splits`` overrides the heuristic
     (1 gives a deterministic, batch-invariant merge). ``sm90``: the launches will run on sm_90's
     Gluon kernels (pass ``sm90_kernels_apply(...)``); without it they run the Triton kernel.
@@ -364,17 +366,26 @@ def plan_decode(
         raise ValueError(f"bad decode batch: batch={batch}, num_heads={num_heads}, q_len={q_len}")
     rows = num_heads * q_len
     block_rows = min(MAX_BLOCK_ROWS, max(16, triton.next_power_of_2(rows)))
-    if num_splits is None:
-        groups = max(1, batch) * triton.cdiv(rows, block_rows)
-        by_length = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
+    fp8 = cache_dtype in FP8_DTYPES
 
-        def filling(programs: int) -> int:
-            return max(1, min(programs * num_sms // groups, by_length, MAX_SPLITS))
+    def paired(splits: int) -> bool:
+        return sm90 and decode_sm90_narrow.pairs(block_rows, fp8, max_seq_len // splits)
 
-        programs = programs_per_sm(block_rows, cache_dtype, sm90)
-        num_splits = filling(programs)
-        if sm90 and programs > 1 and max_seq_len < num_splits * MIN_TOKENS_PER_SHARED_SPLIT:
-            num_splits = filling(1)
+    if num_splits is not None:
+        return DecodePlan(batch, q_len, num_heads, block_rows, num_splits, sm90, paired(num_splits))
+    groups = max(1, batch) * triton.cdiv(rows, block_rows)
+    by_length = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
+
+    def filling(programs: int) -> int:
+        return max(1, min(programs * num_sms // groups, by_length, MAX_SPLITS))
+
+    num_splits = filling(1)
+    if paired(num_splits):
+        return DecodePlan(batch, q_len, num_heads, block_rows, num_splits, sm90, True)
+    programs = programs_per_sm(block_rows, cache_dtype, sm90)
+    num_splits = filling(programs)
+    if sm90 and programs > 1 and max_seq_len < num_splits * MIN_TOKENS_PER_SHARED_SPLIT:
+        num_splits = filling(1)
     return DecodePlan(batch, q_len, num_heads, block_rows, num_splits, sm90)
 
 
@@ -601,7 +612,7 @@ def _launch_split(q_nope, q_pe, keys, block_table, seq_lens, kv_scale, tree_mask
         options = dict(num_warps=decode_sm90_seesaw.NUM_WARPS, maxnreg=decode_sm90_seesaw.MAXNREG)
     elif module is decode_sm90_narrow:
         kernel, block_n = decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow, decode_sm90_narrow.BLOCK_N
-        options = decode_sm90_narrow.launch_options(keys, plan.fp8_probs(keys.dtype))
+        options = decode_sm90_narrow.launch_options(keys, plan.fp8_probs(keys.dtype), plan.paired)
     else:
         kernel = _mla_decode_split_kernel
         block_n, num_warps, num_stages = _launch_config(plan.block_rows, page_size, is_fp8)

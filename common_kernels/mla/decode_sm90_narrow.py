@@ -54,8 +54,8 @@ kernel. Against two one-warpgroup programs a multiprocessor (H200, both orders,
 ``benchmarks/results/mla_decode-sm90-narrow-paired-2026-12-03.md``): 1.06-1.08x at one query token
 and 4k, 1.10-1.11x at two tokens, about level at 32k. That build gave wrong rows now and then in
 short splits (a warpgroup done early ran a reduction whose barrier id Triton had given the other
-partition's loop); ``_consumer`` now runs the two warpgroups' post-loop code one after the other,
-not yet run on a GPU, so pairing is opt-in (``LATENTSPEED_MLA_DECODE_PAIRED=1``).
+partition's loop); ``_consumer`` now runs the two warpgroups' post-loop code one after the other.
+Plans pair where splits are long (``pairs``); ``LATENTSPEED_MLA_DECODE_PAIRED=0`` never does.
 
 Shared memory at ``BLOCK_N = 64``: bf16 queries 18 KiB (32 rows: 36), two tiles 144 KiB, one
 program per multiprocessor; fp8 queries 9 KiB (32 rows: 18), unpaired two tiles 72 KiB, two
@@ -114,10 +114,12 @@ FP8_PV_ENV = "LATENTSPEED_MLA_DECODE_FP8_PV"  # "0": P V in fp16 (V widened) for
 P_SCALE = gl.constexpr(256.0)  # P in [0, 1] to [0, 256]: normal in E4M3 and E5M2, below their maxima (448, 57344)
 PROGRAMS_PER_SM_FP8 = 2  # fp8 caches: 83 KiB of shared memory (32 rows: 94), 203-255 registers a thread
 # fp8 caches by bulk copies: one program a multiprocessor with two warpgroups taking turns at the tiles
-# of one ring of PAIRED_BUFS slots (192 KiB of shared memory; 32 rows: 204 KiB), instead of two programs.
-# Off by default until the GPU tests pass with the hand-over ordering of _consumer (written after its
-# first GPU runs, which intermittently gave wrong rows; not run on a GPU yet).
-PAIRED_FP8 = 0
+# of one ring of PAIRED_BUFS slots (192 KiB of shared memory; 32 rows: 204 KiB), instead of two programs,
+# where every split reads at least MIN_TOKENS_PER_PAIRED_SPLIT tokens (``pairs``): a split of one or two
+# tiles leaves the second warpgroup short of keys and still pays the hand-over (H200, batch 1 and 8,
+# 512-2048 tokens: 0.4-1.1 us slower; benchmarks/results/mla_decode-sm90-narrow-paired-2026-12-03.md).
+PAIRED_FP8 = 1
+MIN_TOKENS_PER_PAIRED_SPLIT = 256
 PAIRED_ENV = "LATENTSPEED_MLA_DECODE_PAIRED"  # "1": paired programs, "0": two one-warpgroup programs
 PAIRED_BUFS = 5
 PAIRED_REGS = 256  # registers a thread of either warpgroup (the launch's cap; 248 left 44 B of spills at 32 rows)
@@ -129,18 +131,23 @@ ARRIVE_HANDED_OVER = gl.constexpr("bar.arrive 9, 256; mov.u32 $0, 0;")
 
 
 def paired(fp8: bool) -> bool:
-    """Whether fp8 launches that get bulk copies run as paired programs:
+    """Whether fp8 launches that get bulk copies may run as paired programs:
     ``LATENTSPEED_MLA_DECODE_PAIRED`` (``1`` or ``0``) where set, else ``PAIRED_FP8``."""
     setting = os.environ.get(PAIRED_ENV)
     return fp8 and (bool(PAIRED_FP8) if setting is None else setting != "0")
 
 
-def programs_per_sm(block_rows: int, fp8: bool) -> int:
+def pairs(block_rows: int, fp8: bool, tokens_per_split: int) -> bool:
+    """Whether a plan runs this kernel's launches as paired programs: fp8 caches under ``paired``
+    whose splits read at least ``MIN_TOKENS_PER_PAIRED_SPLIT`` tokens. A cache that cannot take
+    bulk copies runs unpaired on such a plan (``launch_options``)."""
+    return block_rows in BLOCK_ROWS and paired(fp8) and tokens_per_split >= MIN_TOKENS_PER_PAIRED_SPLIT
+
+
+def programs_per_sm(block_rows: int, fp8: bool, paired_programs: bool) -> int:
     """Programs a multiprocessor holds: two of this kernel's one-warpgroup fp8 launches, else one
-    (the registers; a paired program takes the whole multiprocessor). Under ``paired`` the plan
-    assumes paired programs for every fp8 cache; one that cannot take bulk copies runs unpaired on
-    that plan."""
-    return PROGRAMS_PER_SM_FP8 if fp8 and block_rows in BLOCK_ROWS and not paired(fp8) else 1
+    (the registers; a paired program takes the whole multiprocessor)."""
+    return PROGRAMS_PER_SM_FP8 if fp8 and block_rows in BLOCK_ROWS and not paired_programs else 1
 
 
 def fp8_pv(cache_dtype: torch.dtype) -> bool:
@@ -156,12 +163,13 @@ def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, 
             and page_size % BLOCK_N == 0 and (d_latent, d_rope) == (D_LATENT, D_ROPE))
 
 
-def launch_options(keys: torch.Tensor, fp8_probs: bool) -> dict:
+def launch_options(keys: torch.Tensor, fp8_probs: bool, paired_programs: bool) -> dict:
     """The kernel's launch options over the paged cache ``keys`` beyond the common arguments: the
     ring, the warps, ``FP8_PV`` (``DecodePlan.fp8_probs``), the bulk-copy descriptors where
-    ``tma_options`` gives them, and with them, under ``paired``, two consumers a program."""
+    ``tma_options`` gives them, and with them, for ``paired_programs`` (``DecodePlan.paired``), two
+    consumers a program."""
     options = dict(NUM_BUFS=NUM_BUFS, num_warps=NUM_WARPS, FP8_PV=fp8_probs, **tma_options(keys))
-    if "TMA_BOX" in options and paired(True):
+    if "TMA_BOX" in options and paired_programs:
         options.update(NUM_BUFS=PAIRED_BUFS, CONSUMERS=2, maxnreg=PAIRED_REGS)
     return options
 

@@ -63,6 +63,22 @@ def quantize_query_rows(q_nope: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch
     return rounded(q_nope), rounded(q_pe)
 
 
+# How far, relative, the kernel's fp8 numerators may lie from the reference's before they round
+# (its scores differ from these in their last bits: fp32 sums in another order, exp2.approx).
+FP8_PROBS_MARGIN = 2.0**-14
+
+
+def _fp8_numerators(scores: torch.Tensor) -> torch.Tensor:
+    scaled = scores * 1.4426950408889634  # log2(e)
+    return torch.exp2(scaled - torch.ceil(scaled.amax(-1, keepdim=True)))
+
+
+def _round_numerators(p: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dtype must be one of {FP8_DTYPES}, got {fp8_dtype}")
+    return (p * 256).to(fp8_dtype).float() / 256
+
+
 def fp8_probs_weights(scores: torch.Tensor, exact: torch.Tensor | None = None,
                       fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
     """Softmax weights over the last dimension of ``scores`` (natural-log units) with the
@@ -71,14 +87,23 @@ def fp8_probs_weights(scores: torch.Tensor, exact: torch.Tensor | None = None,
     the sum of the unrounded ``p``. The shift is a whole power of two, so the rounding is the same
     for any whole shift at or above the maximum (the kernel's running one, a split's own).
     ``exact`` marks keys left unrounded."""
-    if fp8_dtype not in FP8_DTYPES:
-        raise ValueError(f"fp8_dtype must be one of {FP8_DTYPES}, got {fp8_dtype}")
-    scaled = scores * 1.4426950408889634  # log2(e)
-    p = torch.exp2(scaled - torch.ceil(scaled.amax(-1, keepdim=True)))
-    rounded = (p * 256).to(fp8_dtype).float() / 256
+    p = _fp8_numerators(scores)
+    rounded = _round_numerators(p, fp8_dtype)
     if exact is not None:
         rounded = torch.where(exact, p, rounded)
     return rounded / p.sum(-1, keepdim=True)
+
+
+def fp8_probs_spread(scores: torch.Tensor, exact: torch.Tensor | None = None,
+                     fp8_dtype: torch.dtype = torch.float8_e4m3fn, margin: float = FP8_PROBS_MARGIN) -> torch.Tensor:
+    """Per key, how far ``fp8_probs_weights``' weight moves when its numerator, off by up to
+    ``margin`` relative, rounds the other way: one fp8 step over the sum for keys that close to a
+    rounding midpoint, else zero (and zero for ``exact`` keys)."""
+    p = _fp8_numerators(scores)
+    spread = _round_numerators(p * (1 + margin), fp8_dtype) - _round_numerators(p * (1 - margin), fp8_dtype)
+    if exact is not None:
+        spread = spread.masked_fill(exact, 0.0)
+    return spread / p.sum(-1, keepdim=True)
 
 
 def mla_decode_ref(
@@ -94,6 +119,7 @@ def mla_decode_ref(
     fp8_queries: bool = False,
     fresh_kv: torch.Tensor | None = None,
     fp8_probs: bool = False,
+    flip_bound: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight-absorbed MQA over the paged latent cache.
 
@@ -109,10 +135,18 @@ def mla_decode_ref(
     [T, D_latent + D_rope]`` replaces the cache rows of the query tokens' own positions; the
     queries are then rounded only for the prefix, the kernel's own-rows launch being exact.
     ``fp8_probs`` rounds the softmax numerators to the fp8 cache's format (``fp8_probs_weights``),
-    the fresh rows' excepted, as the kernel does when ``DecodePlan.fp8_probs`` holds.
+    the fresh rows' excepted, as the kernel does when ``DecodePlan.fp8_probs`` holds. With it,
+    ``flip_bound`` (fp32, the shape of ``out``) receives per element how far the output may move
+    when numerators within ``FP8_PROBS_MARGIN`` of a rounding midpoint round the other way
+    (``fp8_probs_spread`` times the values' magnitudes): in a short context one such key may carry
+    most of the weight.
     """
     if fp8_probs and kv_cache.dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_probs rounds P to an fp8 cache's format; this cache is {kv_cache.dtype}")
+    if flip_bound is not None:
+        if not fp8_probs or flip_bound.shape != q_nope.shape or flip_bound.dtype != torch.float32:
+            raise ValueError(f"flip_bound must be fp32 {tuple(q_nope.shape)} and comes with fp8_probs")
+        flip_bound.zero_()
     q_exact = (q_nope.float(), q_pe.float())
     if fp8_queries:
         q_nope, q_pe = quantize_query_rows(q_nope, q_pe)
@@ -150,7 +184,11 @@ def mla_decode_ref(
             scores = scores * softmax_scale
             lse[t] = torch.logsumexp(scores, dim=-1)
             if fp8_probs:
-                weights = fp8_probs_weights(scores, own[seen] if fresh_kv is not None else None, kv_cache.dtype)
+                unrounded = own[seen] if fresh_kv is not None else None
+                weights = fp8_probs_weights(scores, unrounded, kv_cache.dtype)
+                if flip_bound is not None:
+                    spread = fp8_probs_spread(scores, unrounded, kv_cache.dtype, FP8_PROBS_MARGIN)
+                    flip_bound[t] = spread @ k[:, :d_latent].abs()
             else:
                 weights = torch.softmax(scores, dim=-1)
             out[t] = weights @ k[:, :d_latent]

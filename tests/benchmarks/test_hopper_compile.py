@@ -43,19 +43,21 @@ def test_every_kernel_compiles_for_hopper():
     assert not serialized, f"ptxas serializes the wgmma of {serialized} (C7511: short of registers; C7514/C7515: " \
                            "other instructions touch an in-flight accumulator)"
     # 16 heads over a paged fp8 cache: the narrow kernel's tiles come by bulk tensor copies, one box
-    # of 64 rows by 128 bytes for each quarter of the latent part and one for the RoPE part, issued
-    # in two places (the ring's first tile and the refill); paired programs
-    # (LATENTSPEED_MLA_DECODE_PAIRED=1) issue them in three (the ring's first PAIRED_BUFS - 2 tiles,
-    # unrolled, and each warpgroup's refill), each warpgroup with its own copy of the loop
+    # of 64 rows by 128 bytes for each quarter of the latent part and one for the RoPE part. Paired
+    # programs (the plan's choice at batch 128) issue them in three places (the ring's first
+    # PAIRED_BUFS - 2 tiles, unrolled, and each warpgroup's refill), each warpgroup with its own copy
+    # of the loop; unpaired (LATENTSPEED_MLA_DECODE_PAIRED=0), in two (the ring's first tile and the
+    # refill)
     for label in ("decode, 16 heads, e4m3", "decode, 16 heads, e4m3, 2 tokens",
                   "decode, 16 heads, e4m3, extend prefix"):
-        assert reports[label]["tma_copies"] == 2 * 5 and reports[label]["async_copies"] == 0, label
+        assert reports[label]["tma_copies"] == 5 * (PAIRED_BUFS - 2 + 2), label
+        assert reports[label]["async_copies"] == 0 and reports[label]["spill_bytes"] <= 32, label
+        _assert_partitions_keep_their_barriers(reports[label], label)
     for q_len, label in ((1, "decode, 16 heads, e4m3"), (2, "decode, 16 heads, e4m3, 2 tokens")):
-        paired, = hopper_compile("decode", "--heads", "16", "--cache", "e4m3", "--q-len", str(q_len),
-                                 LATENTSPEED_MLA_DECODE_PAIRED="1").values()
-        assert paired["tma_copies"] == 5 * (PAIRED_BUFS - 2 + 2) and paired["async_copies"] == 0, label
-        assert paired["wgmma"] == 2 * reports[label]["wgmma"] and paired["spill_bytes"] <= 32, label
-        _assert_partitions_keep_their_barriers(paired, label)
+        unpaired, = hopper_compile("decode", "--heads", "16", "--cache", "e4m3", "--q-len", str(q_len),
+                                   LATENTSPEED_MLA_DECODE_PAIRED="0").values()
+        assert unpaired["tma_copies"] == 2 * 5 and unpaired["async_copies"] == 0, label
+        assert reports[label]["wgmma"] == 2 * unpaired["wgmma"], label
     for label in ("decode, 128 heads, bf16", "decode, 128 heads, e4m3"):
         _assert_partitions_keep_their_barriers(reports[label], label)
     assert reports["decode, 16 heads, bf16"]["tma_copies"] == 0 < reports["decode, 16 heads, bf16"]["async_copies"]

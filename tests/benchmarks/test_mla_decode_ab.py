@@ -53,19 +53,19 @@ def test_an_older_revision_is_refused_by_name(tmp_path):
 
 def test_ours_set_changes_constants_for_one_side_only(monkeypatch):
     monkeypatch.delenv(decode_sm90_narrow.PAIRED_ENV, raising=False)
-    settings = mla_decode_ab.parse_settings(["decode_sm90_narrow.PAIRED_FP8=1", "decode_sm90_narrow.NUM_BUFS=3"])
-    assert settings == {(decode_sm90_narrow, "PAIRED_FP8"): 1, (decode_sm90_narrow, "NUM_BUFS"): 3}
+    settings = mla_decode_ab.parse_settings(["decode_sm90_narrow.PAIRED_FP8=0", "decode_sm90_narrow.NUM_BUFS=3"])
+    assert settings == {(decode_sm90_narrow, "PAIRED_FP8"): 0, (decode_sm90_narrow, "NUM_BUFS"): 3}
     fp8 = torch.float8_e4m3fn
 
     def splits():  # 16 heads, 1 token: 16-row groups on the narrow kernel
         return plan_decode(128, 16, 1, 32768, 132, cache_dtype=fp8, sm90=True).num_splits
 
-    two_programs = splits()
+    paired = splits()
     with mla_decode_ab.overridden(settings):
         assert decode_sm90_narrow.NUM_BUFS == 3
-        assert splits() * 2 == two_programs  # one paired program a multiprocessor: half the splits
-    assert (decode_sm90_narrow.NUM_BUFS, decode_sm90_narrow.PAIRED_FP8) == (2, 0)
-    assert splits() == two_programs
+        assert splits() == 2 * paired  # two one-warpgroup programs a multiprocessor: twice the splits
+    assert (decode_sm90_narrow.NUM_BUFS, decode_sm90_narrow.PAIRED_FP8) == (2, 1)
+    assert splits() == paired
 
 
 @pytest.mark.parametrize("item", ["decode_sm90_narrow.NO_SUCH=1", "decode.NUM_BUFS=2",

@@ -17,7 +17,9 @@ from common_kernels.mla import (
     varlen_attention,
     write_latent_cache,
 )
+from common_kernels.mla import reference
 from common_kernels.mla.reference import (
+    fp8_probs_spread,
     fp8_probs_weights,
     mla_decode_ref,
     varlen_attention_ref,
@@ -272,22 +274,38 @@ def test_plan_bounds_workspace(monkeypatch):
     assert plan_decode(8, 128, 1, 1 << 17, num_sms=132).num_splits == 132 // 16
     assert plan_decode(128, 16, 1, 1 << 17, num_sms=132).num_splits == 3 * 132 // 128
     assert plan_decode(8, 16, 1, 1 << 17, num_sms=132, cache_dtype=torch.float8_e4m3fn).num_splits == 132 // 8
-    # sm_90's Gluon kernels: one program per multiprocessor, two of the narrow kernel's fp8 launches
-    # (one paired program of two warpgroups with LATENTSPEED_MLA_DECODE_PAIRED=1; off by default).
+    # sm_90's Gluon kernels: one program per multiprocessor; the narrow kernel's fp8 launches as paired
+    # programs (one a multiprocessor) over splits of 256 tokens or more, else two one-warpgroup programs
+    # (one with LATENTSPEED_MLA_DECODE_PAIRED=0 where splits would be shorter than 256).
     assert plan_decode(128, 16, 1, 1 << 17, num_sms=132, sm90=True).num_splits == 1
     assert plan_decode(8, 16, 2, 1 << 17, num_sms=132, sm90=True).num_splits == 132 // 8
+    assert not plan_decode(128, 16, 1, 1 << 17, num_sms=132, sm90=True).paired  # bf16
     monkeypatch.delenv(decode_sm90_narrow.PAIRED_ENV, raising=False)
-    assert not decode_sm90_narrow.paired(True)
-    for paired in ("1", "0"):
-        monkeypatch.setenv(decode_sm90_narrow.PAIRED_ENV, paired)
-        for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
-            for q_len in (1, 2):
-                plan = plan_decode(128, 16, q_len, 1 << 17, num_sms=132, cache_dtype=fp8, sm90=True)
-                assert plan.num_splits == (1 if paired == "1" else 2)
-            assert plan_decode(8, 128, 1, 1 << 17, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 132 // 16
-            # Two programs would split 4096 tokens 32 ways (128 each): one program a multiprocessor.
-            assert plan_decode(8, 16, 1, 4096, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 132 // 8
-            assert plan_decode(128, 16, 1, 500, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 1
+    assert decode_sm90_narrow.paired(True) and not decode_sm90_narrow.paired(False)
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for q_len in (1, 2):
+            plan = plan_decode(128, 16, q_len, 1 << 17, num_sms=132, cache_dtype=fp8, sm90=True)
+            assert (plan.num_splits, plan.paired) == (1, True)
+            assert not plan_decode(128, 16, q_len, 1 << 17, num_sms=132, cache_dtype=fp8).paired  # Triton kernel
+        # batch 8: 16 splits fill one program a multiprocessor; paired from 4096 tokens (256 a split)
+        assert plan_decode(8, 16, 1, 4096, num_sms=132, cache_dtype=fp8, sm90=True).paired
+        short = plan_decode(8, 16, 1, 4095, num_sms=132, cache_dtype=fp8, sm90=True)
+        assert (short.num_splits, short.paired) == (132 // 8, False)
+        # batch 1, 512 tokens: 8 splits of one tile, unpaired
+        tiny = plan_decode(1, 16, 1, 512, num_sms=132, cache_dtype=fp8, sm90=True)
+        assert (tiny.num_splits, tiny.paired) == (8, False)
+        assert plan_decode(6, 16, 1, 6000, 132, num_splits=1, cache_dtype=fp8, sm90=True).paired  # direct
+        assert not plan_decode(6, 16, 1, 200, 132, num_splits=1, cache_dtype=fp8, sm90=True).paired
+        assert not plan_decode(8, 128, 1, 1 << 17, num_sms=132, cache_dtype=fp8, sm90=True).paired  # 64-row groups
+    monkeypatch.setenv(decode_sm90_narrow.PAIRED_ENV, "0")
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for q_len in (1, 2):
+            plan = plan_decode(128, 16, q_len, 1 << 17, num_sms=132, cache_dtype=fp8, sm90=True)
+            assert (plan.num_splits, plan.paired) == (2, False)
+        assert plan_decode(8, 128, 1, 1 << 17, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 132 // 16
+        # Two programs would split 4096 tokens 32 ways (128 each): one program a multiprocessor.
+        assert plan_decode(8, 16, 1, 4096, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 132 // 8
+        assert plan_decode(128, 16, 1, 500, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 1
 
 
 def test_sm90_kernel_routing():
@@ -348,6 +366,51 @@ def test_fp8_probs_weights_round_numerators_under_a_whole_shift(fp8_dtype, half_
     torch.testing.assert_close(mixed[~keep], weights[~keep])
 
 
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_probs_spread_bounds_the_flips_of_nearby_numerators(fp8_dtype):
+    """Numerators moved by less than the margin (relative) round to other fp8 values only at keys
+    with a spread, and by at most that spread over the sum; most keys have none; exact keys none."""
+    g = torch.Generator().manual_seed(2)
+    margin = 2.0**-7
+    scores = torch.randn(8, 300, generator=g) * 3
+    spread = fp8_probs_spread(scores, fp8_dtype=fp8_dtype, margin=margin)
+    moved = scores + torch.log1p((torch.rand(8, 300, generator=g) - 0.5) * margin)
+    p, p_moved = (torch.exp2(x / math.log(2) - (scores / math.log(2)).amax(-1, keepdim=True).ceil()) for x in (scores, moved))
+    norm = p.sum(-1, keepdim=True)
+    change = (fp8_probs_weights(moved, fp8_dtype=fp8_dtype) * p_moved.sum(-1, keepdim=True) / norm
+              - fp8_probs_weights(scores, fp8_dtype=fp8_dtype)).abs()
+    flipped = change > 1e-6 / norm
+    assert flipped.any()  # the perturbation does cross midpoints
+    assert (spread[flipped] > 0).all()
+    assert (change <= spread + 1e-6 / norm).all()
+    assert 0 < (spread > 0).float().mean() < 0.25
+    keep = torch.rand(8, 300, generator=g) < 0.3
+    assert (fp8_probs_spread(scores, keep, fp8_dtype, margin)[keep] == 0).all()
+
+
+def test_mla_decode_ref_flip_bound_covers_scores_off_in_their_last_bits(monkeypatch):
+    """``flip_bound``: with the scores scaled by 1 + 2^-8 (within a margin of 2^-5 for scores up to
+    8; these stay below 4) the fp8 ``P V`` output moves beyond its sum's share (at most 2 %) only
+    where the bound allows, and it does move there; the buffer is refused without ``fp8_probs``."""
+    monkeypatch.setattr(reference, "FP8_PROBS_MARGIN", 2.0**-5)
+    g = torch.Generator().manual_seed(3)
+    seq_lens = (63, 300, 1)
+    cache, table = make_paged_cache(seq_lens, 64, 576, torch.float8_e5m2, 0.02)
+    q_nope, q_pe = torch.randn(3, 16, 512, generator=g) * 0.1, torch.randn(3, 16, 64, generator=g)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    bound = torch.zeros(3, 16, 512)
+    out, _ = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, 0.02, fp8_queries=True, fp8_probs=True,
+                            flip_bound=bound)
+    moved, _ = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5 * (1 + 2**-8), 0.02, fp8_queries=True,
+                              fp8_probs=True)
+    beyond_sum = (moved - out).abs() - 2e-2 * out.abs() - 1e-6
+    assert (beyond_sum > 0).any()
+    assert (beyond_sum <= bound).all()
+    assert (bound >= 0).all() and (bound[beyond_sum > 0] > 0).all()
+    with pytest.raises(ValueError, match="flip_bound must be fp32"):
+        mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, 0.02, fp8_probs=False, flip_bound=bound)
+
+
 def test_fp8_probs_rounds_p_in_the_caches_format():
     """``mla_decode_ref(..., fp8_probs=True)`` rounds ``P`` to the fp8 cache's own format: one set
     of values held exactly by an E5M2 and by an E4M3 cache gives the same exact outputs but
@@ -394,29 +457,24 @@ def test_narrow_kernel_bulk_copies_only_contiguous_fp8_pages(monkeypatch):
     assert decode_sm90_narrow.tma_options(torch.zeros(6, 64, 576, dtype=torch.float8_e4m3fn)) == {}
 
 
-def test_narrow_kernel_pairs_warpgroups_over_bulk_copies(monkeypatch):
-    """``launch_options`` with ``LATENTSPEED_MLA_DECODE_PAIRED=1``: fp8 caches that get bulk copies
-    launch paired programs (two warpgroups over one ring of ``PAIRED_BUFS`` slots, a register cap
-    for both); 16-bit caches and fp8 caches without bulk copies launch one warpgroup a program, and
-    so does every cache by default or with ``=0``."""
+def test_narrow_kernel_pairs_warpgroups_over_bulk_copies():
+    """``launch_options`` for paired programs (``DecodePlan.paired``): fp8 caches that get bulk
+    copies launch two warpgroups over one ring of ``PAIRED_BUFS`` slots, with a register cap for
+    both; 16-bit caches, fp8 caches without bulk copies and unpaired plans launch one warpgroup a
+    program."""
     from common_kernels.mla import decode_sm90_narrow as narrow
 
-    monkeypatch.delenv(narrow.PAIRED_ENV, raising=False)
-    unset = narrow.launch_options(torch.zeros(6, 64, 576, dtype=torch.float8_e4m3fn), fp8_probs=True)
-    assert "CONSUMERS" not in unset and unset["NUM_BUFS"] == narrow.NUM_BUFS  # off by default
-    monkeypatch.setenv(narrow.PAIRED_ENV, "1")
     for dtype in FP8_CACHE.values():
-        options = narrow.launch_options(torch.zeros(6, 64, 576, dtype=dtype), fp8_probs=True)
+        options = narrow.launch_options(torch.zeros(6, 64, 576, dtype=dtype), True, True)
         assert (options["CONSUMERS"], options["NUM_BUFS"], options["maxnreg"]) == (2, narrow.PAIRED_BUFS,
                                                                                    narrow.PAIRED_REGS)
         assert options["FP8_PV"] and options["num_warps"] == narrow.NUM_WARPS and "kc_desc" in options
-        gapped = narrow.launch_options(torch.zeros(6, 65, 576, dtype=dtype)[:, :64], fp8_probs=True)
+        gapped = narrow.launch_options(torch.zeros(6, 65, 576, dtype=dtype)[:, :64], True, True)
         assert "CONSUMERS" not in gapped and gapped["NUM_BUFS"] == narrow.NUM_BUFS
-    assert narrow.launch_options(torch.zeros(6, 64, 576, dtype=torch.bfloat16), fp8_probs=False) == dict(
+        unpaired = narrow.launch_options(torch.zeros(6, 64, 576, dtype=dtype), True, False)
+        assert "CONSUMERS" not in unpaired and "maxnreg" not in unpaired and unpaired["TMA_BOX"] == narrow.TMA_BOX
+    assert narrow.launch_options(torch.zeros(6, 64, 576, dtype=torch.bfloat16), False, True) == dict(
         NUM_BUFS=narrow.NUM_BUFS, num_warps=narrow.NUM_WARPS, FP8_PV=False)
-    monkeypatch.setenv(narrow.PAIRED_ENV, "0")
-    options = narrow.launch_options(torch.zeros(6, 64, 576, dtype=torch.float8_e4m3fn), fp8_probs=True)
-    assert "CONSUMERS" not in options and "maxnreg" not in options and options["TMA_BOX"] == narrow.TMA_BOX
 
 
 @pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())

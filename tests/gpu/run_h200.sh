@@ -50,15 +50,22 @@ for step in "$@"; do
           --ctx 512 1024 2048 4096 --cache $caches --out "$out/mla_decode_batch${batch}_$provider.json" 2>&1 \
           | tee -a "$out/bench-small.log" | grep -E '^\{|Error' | tail -n 20
       done; done ;;
-    paired-check)  # the narrow kernel's paired programs (LATENTSPEED_MLA_DECODE_PAIRED=1, off by default): the fp8
-      # 16-head decode tests five times (their first build failed now and then in short splits), then an
-      # A/B of paired against unpaired, both from the working tree (results/mla_decode-sm90-narrow-paired-2026-12-03.md)
-      for i in 1 2 3 4 5; do
-        LATENTSPEED_MLA_DECODE_PAIRED=1 python3 -m pytest -q -p no:warnings -rf --tb=short tests/gpu/test_decode_sm90.py \
-          -k "(H16 and (e4m3 or e5m2)) or paired_or_not" 2>&1 | tail -n 12 | tee -a "$out/paired-check.log"
+    paired-check)  # the narrow kernel's paired programs (on by default where splits read 256 tokens or more):
+      # the 16-head fp8 decode tests three times (the first paired build failed now and then in short
+      # splits), then A/Bs from the working tree: batch 128 against never pairing, batches 1 and 8
+      # against always pairing (results/mla_decode-sm90-narrow-paired-default-2026-12-03.md)
+      for i in 1 2 3; do
+        python3 -m pytest -q -p no:warnings -rf --tb=short tests/gpu/test_decode_sm90.py \
+          -k "(H16 and (e4m3 or e5m2)) or paired_or_not or narrow_tree" 2>&1 | tail -n 12 \
+          | tee -a "$out/paired-check.log"
       done
-      python3 -m benchmarks.mla_decode_ab --base common_kernels/mla --ours-set decode_sm90_narrow.PAIRED_FP8=1 \
-        --heads 16 --q-len 1 2 --cache e4m3 e5m2 --both-orders --out "$out/paired-ab.jsonl" 2>&1 | tail -n 3 ;;
+      python3 -m benchmarks.mla_decode_ab --base common_kernels/mla --base-set decode_sm90_narrow.PAIRED_FP8=0 \
+        --heads 16 --q-len 1 2 --cache e4m3 e5m2 --both-orders --out "$out/paired-ab.jsonl" 2>&1 | tail -n 3
+      for batch in 1 8; do
+        python3 -m benchmarks.mla_decode_ab --base common_kernels/mla \
+          --base-set decode_sm90_narrow.MIN_TOKENS_PER_PAIRED_SPLIT=0 --batch $batch --heads 16 --q-len 1 2 --ctx 512 1024 2048 4096 --cache e4m3 --both-orders \
+          --out "$out/paired-ab-batch$batch.jsonl" 2>&1 | tail -n 2
+      done ;;
     tune-gemm)
       python3 -m benchmarks.tune_fp8_gemm --out "$out/gemm_configs.json" 2>"$out/tune-gemm.err" | tee "$out/tune-gemm.log" \
         && export LATENTSPEED_FP8_GEMM_CONFIGS=$(realpath "$out")/gemm_configs.json ;;
