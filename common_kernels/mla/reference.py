@@ -63,9 +63,11 @@ def quantize_query_rows(q_nope: torch.Tensor, q_pe: torch.Tensor) -> tuple[torch
     return rounded(q_nope), rounded(q_pe)
 
 
-# How far, relative, the kernel's fp8 numerators may lie from the reference's before they round
-# (its scores differ from these in their last bits: fp32 sums in another order, exp2.approx).
-FP8_PROBS_MARGIN = 2.0**-14
+# How far, relative, the kernel's fp8 numerators may lie from the reference's before they round: its
+# scores come from fp8 wgmma, whose sums keep about 14 bits on Hopper (DeepSeek-V3 report, 3.3.2), so
+# they can be off by about 1e-3 (natural-log units; the decode tests allow 2e-3 in the lse). 2^-14
+# left one flipped key in 2 of 102 GPU test runs (2026-12-03).
+FP8_PROBS_MARGIN = 2.0**-9
 
 
 def _fp8_numerators(scores: torch.Tensor) -> torch.Tensor:
