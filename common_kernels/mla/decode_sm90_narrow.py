@@ -52,10 +52,11 @@ ring and warpgroup 0 merges them (exact under ``FP8_PV``: both maxima are whole 
 stores. One program a multiprocessor, so at batch 128 a request is one split and needs no merge
 kernel. Against two one-warpgroup programs a multiprocessor (H200, both orders,
 ``benchmarks/results/mla_decode-sm90-narrow-paired-2026-12-03.md``): 1.06-1.08x at one query token
-and 4k, 1.10-1.11x at two tokens, about level at 32k. That build gave wrong rows now and then in
-short splits (a warpgroup done early ran a reduction whose barrier id Triton had given the other
-partition's loop); ``_consumer`` now runs the two warpgroups' post-loop code one after the other.
-Plans pair where splits are long (``pairs``); ``LATENTSPEED_MLA_DECODE_PAIRED=0`` never does.
+and 4k, 1.10-1.11x at two tokens, about level at 32k. That build raced (its PTX: a warpgroup done
+early ran a reduction whose barrier id Triton had given the other partition's loop); ``_consumer``
+now runs the two warpgroups' post-loop code one after the other, and the GPU tests pass with it
+(``benchmarks/results/mla_decode-sm90-narrow-paired-default-2026-12-03.md``). Plans pair where
+splits are long (``pairs``); ``LATENTSPEED_MLA_DECODE_PAIRED=0`` never does.
 
 Shared memory at ``BLOCK_N = 64``: bf16 queries 18 KiB (32 rows: 36), two tiles 144 KiB, one
 program per multiprocessor; fp8 queries 9 KiB (32 rows: 18), unpaired two tiles 72 KiB, two
