@@ -241,18 +241,21 @@ def every_kernel_report() -> dict[str, HopperReport]:
     reports["moe expert scatter"] = compile_for_hopper(
         moe._scatter_by_expert_kernel, dict(ids_ptr=i32, sorted_ids_ptr=i32, cursor_ptr=i32),
         dict(E_PAD=512, CHUNK=2048), 4, 3, unaligned=("pairs", "num_experts"))
-    # gate/up also with its quantizing epilogue (the intermediate stored as E4M3 and group scales)
-    for name, gated, quantizing in (("gate/up", True, False), ("gate/up, quantizing", True, True),
-                                    ("down", False, False)):
+    # gate/up also with its quantizing epilogue (the intermediate stored as E4M3 and group scales); "capped":
+    # launches tune_fp8_moe tries under a register cap, three programs a multiprocessor
+    for name, gated, quantizing, block_m, warps, stages, maxnreg in (
+            ("gate/up", True, False, 64, 8, 4, None), ("gate/up, quantizing", True, True, 64, 8, 4, None),
+            ("down", False, False, 64, 4, 3, None), ("gate/up, quantizing, capped", True, True, 16, 4, 3, 168),
+            ("down, capped", False, False, 64, 4, 3, 168)):
         reports[f"moe {name} gemm"] = compile_for_hopper(
             moe._moe_gemm_kernel,
             dict(a_ptr=fp8, a_scale_ptr=f32, b_ptr=fp8, b_scale_ptr=f32, c_ptr=fp8 if quantizing else bf16,
                  c_scale_ptr=f32, stats_ptr=i32, sorted_ids_ptr=i32, block_expert_ptr=i32, weights_ptr=f32),
-            dict(ROWS_PER_A=8 if gated else 1, GATED=gated, APPLY_WEIGHT=not gated, BLOCK_M=64, BLOCK_N=128,
+            dict(ROWS_PER_A=8 if gated else 1, GATED=gated, APPLY_WEIGHT=not gated, BLOCK_M=block_m, BLOCK_N=128,
                  BLOCK_K=128, QUANT_OUT=quantizing, MID_DTYPE=tl.bfloat16, TRACK_STATS=quantizing, ONE_SCALE=True,
                  **e4m3),
-            8 if gated else 4, 4 if gated else 3, floats=("eps",),
-            unaligned=("num_pairs", "stride_asm", "stride_bsn", "stride_csm"))
+            warps, stages, floats=("eps",), unaligned=("num_pairs", "stride_asm", "stride_bsn", "stride_csm"),
+            maxnreg=maxnreg)
     return reports
 
 

@@ -2,8 +2,10 @@
 
 For each shape of ``fp8_moe.SHAPES`` and each token count, every ``BLOCK_M`` (the alignment of each
 expert's run) is tried with every launch of the gate/up GEMM (``BLOCK_N``, warps, stages) under the
-default down GEMM, then every launch of the down GEMM under the best gate/up one. Each candidate's
-output is checked against the default launch's, and its CUDA-graph replay timed (the way engines
+default down GEMM, then every launch of the down GEMM under the best gate/up one; from
+``CAPPED_FROM_TOKENS`` tokens on, some under register caps too (``maxnreg``: more programs a
+multiprocessor). Each candidate's output is checked against the default launch's, and its CUDA-graph
+replay timed (the way engines
 run it; median, L2 flushed). The winners are written as the table ``common_kernels.fp8.moe`` reads
 (``configs/moe_<GPU name>.json``, or the file ``LATENTSPEED_FP8_MOE_CONFIGS`` names), with the
 time of each winner and of the default.
@@ -26,6 +28,20 @@ from common_kernels.fp8 import fused_moe_fp8
 from common_kernels.fp8.moe import DEFAULT_CONFIG
 
 GEMM_LAUNCHES = [{"BLOCK_N": n, "num_warps": w, "num_stages": s} for n, w, s in itertools.product((64, 128), (4, 8), (2, 3, 4))]
+# From this many tokens on (enough tiles to fill more programs), the 128-column launches of two or three
+# stages are also tried under a register cap. ptxas for sm_90a gives these GEMMs 178-255 registers a thread,
+# so a multiprocessor holds two programs of 4 warps or one of 8. With 168 (4 warps) it holds three, and with
+# 128 (8 warps) two, at 0-300 bytes of spills at the BLOCK_M they fit (benchmarks/hopper_compile.py's
+# "capped" moe reports).
+CAPPED_FROM_TOKENS = 1024
+
+
+def gemm_launches(tokens: int):
+    yield from GEMM_LAUNCHES
+    if tokens >= CAPPED_FROM_TOKENS:
+        for launch in GEMM_LAUNCHES:
+            if launch["BLOCK_N"] == 128 and launch["num_stages"] <= 3:
+                yield dict(launch, maxnreg=168 if launch["num_warps"] == 4 else 128)
 
 
 def time_config(run, config, reference):
@@ -55,7 +71,7 @@ def tune_one(tokens, experts, top_k, hidden, inter, w13, s13, w2, s2) -> dict:
         for stage in ("gate_up", "down"):
             base = {"BLOCK_M": block_m, "gate_up": best["gate_up"] if stage == "down" else DEFAULT_CONFIG["gate_up"],
                     "down": DEFAULT_CONFIG["down"]}
-            for launch in GEMM_LAUNCHES:
+            for launch in gemm_launches(tokens):
                 config = dict(base, **{stage: launch})
                 us = time_config(run, config, reference)
                 if us is not None and us < best["us"]:

@@ -269,6 +269,7 @@ def _moe_gemm(a, a_scale, b, b_scale, out, sorted_ids, block_expert, weights, ro
         # 128-column tiles of 128-aligned gate and up halves: one weight scale a K block (as gemm.py)
         ONE_SCALE=launch["BLOCK_N"] == SCALE_BLOCK and n % SCALE_BLOCK == 0,
         num_warps=launch["num_warps"], num_stages=launch["num_stages"],
+        **({"maxnreg": launch["maxnreg"]} if "maxnreg" in launch else {}),  # a register cap: more programs an SM
     )
 
 

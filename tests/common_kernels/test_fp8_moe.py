@@ -93,6 +93,9 @@ LAUNCHES = {
     # down tiles one weight block wide (one weight scale a K block); gate/up ones straddle blocks (I = 192)
     "one_weight_block_tiles": {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1},
                                "down": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1}},
+    # register caps, as benchmarks/tune_fp8_moe.py tries them from 1024 tokens on
+    "register_caps": {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1, "maxnreg": 168},
+                      "down": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "maxnreg": 128}},
 }
 
 
