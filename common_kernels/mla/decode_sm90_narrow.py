@@ -117,8 +117,9 @@ PROGRAMS_PER_SM_FP8 = 2  # fp8 caches: 83 KiB of shared memory (32 rows: 94), 20
 # fp8 caches by bulk copies: one program a multiprocessor with two warpgroups taking turns at the tiles
 # of one ring of PAIRED_BUFS slots (192 KiB of shared memory; 32 rows: 204 KiB), instead of two programs,
 # where every split reads at least MIN_TOKENS_PER_PAIRED_SPLIT tokens (``pairs``): a split of one or two
-# tiles leaves the second warpgroup short of keys and still pays the hand-over (H200, batch 1 and 8,
-# 512-2048 tokens: 0.4-1.1 us slower; benchmarks/results/mla_decode-sm90-narrow-paired-2026-12-03.md).
+# tiles leaves the second warpgroup short of keys and still pays the hand-over (H200, batches 1 and 8,
+# 512-4096 tokens, A/B: unpaired 1.02-1.19x faster there;
+# benchmarks/results/mla_decode-sm90-narrow-paired-default-2026-12-03.md).
 PAIRED_FP8 = 1
 MIN_TOKENS_PER_PAIRED_SPLIT = 256
 PAIRED_ENV = "LATENTSPEED_MLA_DECODE_PAIRED"  # "1": paired programs, "0": two one-warpgroup programs
