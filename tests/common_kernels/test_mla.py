@@ -375,7 +375,8 @@ def test_fp8_probs_spread_bounds_the_flips_of_nearby_numerators(fp8_dtype):
     scores = torch.randn(8, 300, generator=g) * 3
     spread = fp8_probs_spread(scores, fp8_dtype=fp8_dtype, margin=margin)
     moved = scores + torch.log1p((torch.rand(8, 300, generator=g) - 0.5) * margin)
-    p, p_moved = (torch.exp2(x / math.log(2) - (scores / math.log(2)).amax(-1, keepdim=True).ceil()) for x in (scores, moved))
+    shift = (scores / math.log(2)).amax(-1, keepdim=True).ceil()
+    p, p_moved = (torch.exp2(x / math.log(2) - shift) for x in (scores, moved))
     norm = p.sum(-1, keepdim=True)
     change = (fp8_probs_weights(moved, fp8_dtype=fp8_dtype) * p_moved.sum(-1, keepdim=True) / norm
               - fp8_probs_weights(scores, fp8_dtype=fp8_dtype)).abs()
