@@ -63,7 +63,8 @@ for step in "$@"; do
         --heads 16 --q-len 1 2 --cache e4m3 e5m2 --both-orders --out "$out/paired-ab.jsonl" 2>&1 | tail -n 3
       for batch in 1 8; do
         python3 -m benchmarks.mla_decode_ab --base common_kernels/mla \
-          --base-set decode_sm90_narrow.MIN_TOKENS_PER_PAIRED_SPLIT=0 --batch $batch --heads 16 --q-len 1 2 --ctx 512 1024 2048 4096 --cache e4m3 --both-orders \
+          --base-set decode_sm90_narrow.MIN_TOKENS_PER_PAIRED_SPLIT=0 --batch $batch --heads 16 --q-len 1 2 \
+          --ctx 512 1024 2048 4096 --cache e4m3 --both-orders \
           --out "$out/paired-ab-batch$batch.jsonl" 2>&1 | tail -n 2
       done ;;
     tune-gemm)
