@@ -51,8 +51,8 @@ for step in "$@"; do
           | tee -a "$out/bench-small.log" | grep -E '^\{|Error' | tail -n 20
       done; done ;;
     paired-check)  # the narrow kernel's paired programs (on by default where splits read 256 tokens or more):
-      # the 16-head fp8 decode tests three times (the first paired build failed now and then in short
-      # splits), then A/Bs from the working tree: batch 128 against never pairing, batches 1 and 8
+      # the 16-head fp8 decode tests three times (the first paired build raced in its PTX), then A/Bs
+      # from the working tree: batch 128 against never pairing, batches 1 and 8
       # against always pairing (results/mla_decode-sm90-narrow-paired-default-2026-12-03.md)
       for i in 1 2 3; do
         python3 -m pytest -q -p no:warnings -rf --tb=short tests/gpu/test_decode_sm90.py \
