@@ -94,35 +94,49 @@ def test_matches_reference_and_triton(monkeypatch, cache_name, page, num_splits,
     assert_close(lse, triton_lse, atol=2e-3, rtol=2e-3, name="sm90 against Triton lse")
 
 
-@pytest.mark.parametrize("num_heads, q_lens", [(128, (128, 1, 77, 0)), (16, (2, 1, 2, 0))], ids=["H128", "H16"])
-def test_extend_prefix_with_fresh_rows(monkeypatch, num_heads, q_lens):
-    """``fresh_kv`` over a bf16 cache: the prefix launch is a Gluon kernel (PREFIX_ONLY, ragged
-    queries; 64-row groups at 128 heads, 32 at 16), the new rows' launch the Triton one; the
-    cache holds NaN at the new positions."""
+@pytest.mark.parametrize("num_heads, q_lens, cache_name, num_splits",
+                         [(128, (128, 1, 77, 0), "bf16", None), (16, (2, 1, 2, 0), "bf16", None),
+                          (16, (2, 1, 2, 0), "e4m3", 1)], ids=["H128", "H16", "H16-e4m3-paired"])
+def test_extend_prefix_with_fresh_rows(monkeypatch, num_heads, q_lens, cache_name, num_splits):
+    """``fresh_kv``: the prefix launch is a Gluon kernel (PREFIX_ONLY, ragged queries; 64-row
+    groups at 128 heads, 32 at 16, over the E4M3 cache with one split as paired programs), the new
+    rows' launch the Triton one; the cache holds NaN at the new positions."""
+    cache_dtype, q_dtype = CACHES[cache_name]
+    fp8 = cache_dtype.itemsize == 1
+    kv_scale = torch.tensor([0.02], device="cuda") if fp8 else None
     prefix = (4000, 0, 900, 33)
     seq_lens = [p + q for p, q in zip(prefix, q_lens)]
-    cache, table = make_paged_cache(seq_lens, 64, 576, torch.bfloat16, 1.0)
+    cache, table = make_paged_cache(seq_lens, 64, 576, cache_dtype, 0.02 if fp8 else 1.0)
     for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
         for pos in range(seq_len - q_len, seq_len):
             cache[table[b, pos // 64], pos % 64] = float("nan")
     tokens = sum(q_lens)
-    q_nope = torch.randn(tokens, num_heads, 512, device="cuda", dtype=torch.bfloat16) * 0.1
-    q_pe = torch.randn(tokens, num_heads, 64, device="cuda", dtype=torch.bfloat16)
-    fresh = torch.randn(tokens, 576, device="cuda", dtype=torch.bfloat16)
+    q_nope = torch.randn(tokens, num_heads, 512, device="cuda", dtype=q_dtype) * 0.1
+    q_pe = torch.randn(tokens, num_heads, 64, device="cuda", dtype=q_dtype)
+    fresh = torch.randn(tokens, 576, device="cuda", dtype=q_dtype)
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = plan_decode(len(q_lens), num_heads, max(q_lens), max(seq_lens), sms, sm90=True)
-    args = (q_nope, q_pe, cache, table, lens, 192**-0.5, plan)
+    monkeypatch.delenv(decode_sm90_narrow.PAIRED_ENV, raising=False)
+    plan = plan_decode(len(q_lens), num_heads, max(q_lens), max(seq_lens), sms, num_splits=num_splits,
+                       cache_dtype=cache_dtype, sm90=True)
+    assert plan.paired == fp8
+    args = (q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale)
     out, lse = _decode(monkeypatch, True, *args, query_start_loc=starts, fresh_kv=fresh)
-    ref, ref_lse = mla_decode_ref(*args[:6], query_start_loc=starts, fresh_kv=fresh)
-    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="sm90 extend out")
+    fp8_probs = plan.fp8_probs(cache_dtype)
+    bound = fp8_flip_bound(q_nope, fp8_probs)
+    ref, ref_lse = mla_decode_ref(*args[:6], kv_scale if fp8 else 1.0, query_start_loc=starts, fresh_kv=fresh,
+                                  fp8_queries=fp8, fp8_probs=fp8_probs, flip_bound=bound)
+    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="sm90 extend out", slack=bound)
     assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="sm90 extend lse")
 
 
 @pytest.mark.parametrize("cache_name", ["bf16", "e4m3"])
-def test_narrow_tree_mask(monkeypatch, cache_name):
-    """Tree verification on the 32-row kernel: 16 heads, 2 draft tokens, each seeing only itself."""
+@pytest.mark.parametrize("num_splits", [1, None], ids=["direct", "planned"])
+def test_narrow_tree_mask(monkeypatch, cache_name, num_splits):
+    """Tree verification on the 32-row kernel: 16 heads, 2 draft tokens, each seeing only itself;
+    over the fp8 cache paired programs with direct splits, one warpgroup a program with the
+    planned ones (230 tokens a split)."""
     cache_dtype, q_dtype = CACHES[cache_name]
     fp8 = cache_dtype.itemsize == 1
     kv_scale = torch.tensor([0.02], device="cuda") if fp8 else None
@@ -130,7 +144,10 @@ def test_narrow_tree_mask(monkeypatch, cache_name):
     q_nope, q_pe, cache, table, lens = _inputs(cache_dtype, 64, q_dtype, 0.02 if fp8 else 1.0, 16, 2, seq_lens)
     tree = torch.tensor([[1, 2]] * len(seq_lens), dtype=torch.int64, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = plan_decode(len(seq_lens), 16, 2, max(seq_lens), sms, cache_dtype=cache_dtype, sm90=True)
+    monkeypatch.delenv(decode_sm90_narrow.PAIRED_ENV, raising=False)
+    plan = plan_decode(len(seq_lens), 16, 2, max(seq_lens), sms, num_splits=num_splits, cache_dtype=cache_dtype,
+                       sm90=True)
+    assert plan.paired == (fp8 and num_splits == 1)
     args = (q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale)
     out, lse = _decode(monkeypatch, True, *args, tree_mask=tree)
     fp8_probs = plan.fp8_probs(cache_dtype)
