@@ -318,7 +318,7 @@ def _tiles(smem, bars, kc_desc, kp_desc, cache_ptr, bt_row, stride_cache_block, 
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     for i in range(FIRST, n_tiles, STEP):
         if TMA_BOX:  # the refill of this warpgroup's previous slot waits for the column-max barrier below
-            _wait_tile_tma(kc_ring, bars, i, start, end, BLOCK_N, D_LATENT, NUM_BUFS)
+            _wait_tile_tma(kc_ring, bars, i, start, end, BLOCK_N, D_LATENT, NUM_BUFS, ld_keys)
         else:
             page = _advance_ring(kc_ring, kp_ring, i, page, start, end, cache_ptr, bt_row, stride_cache_block,
                                  stride_cache_tok, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, NUM_BUFS, ld_keys)
