@@ -1,16 +1,16 @@
 """A/B of the sm_90 MLA decode kernels: the working tree's against those of a git revision, in one
 process, on the same inputs and plans.
 
-The revision's ``common_kernels/mla/decode_sm90_seesaw.py`` and ``decode_sm90_narrow.py`` are
-loaded from ``git show`` as modules of their own (their relative imports, ``sm90_common`` among
-them, resolved against the working tree's package), and ``decode.mla_decode`` is pointed at one
-kernel set or the other by swapping the module attributes it launches. Each shape: both outputs
-against ``mla_decode_ref`` (relative error, at the first context length), then CUDA-graph replay
-medians (``mla_decode_splits.timed``). One JSON row per shape: both times and ``base_us / ours_us``
-(above 1: the working tree is faster). ``--both-orders`` times each shape a second time with ours
-first (``*_2`` entries): the H200's speed drifted by 10-28 % within one run on 2026-12-02, which a
-one-order A/B reads as a difference between the kernels
-(``benchmarks/results/mla_decode-sm90-narrow-tma-2026-12-02.md``).
+The revision's ``common_kernels/mla/decode_sm90_seesaw.py``, ``decode_sm90_narrow.py`` and their
+helpers ``sm90_common.py`` are loaded from ``git show`` as modules of their own (the kernels import
+the revision's helpers; their other relative imports resolve against the working tree's package),
+and ``decode.mla_decode`` is pointed at one kernel set or the other by swapping the module
+attributes it launches. Each shape: both outputs against ``mla_decode_ref`` (relative error, at the
+first context length), then CUDA-graph replay medians (``mla_decode_splits.timed``). One JSON row
+per shape: both times and ``base_us / ours_us`` (above 1: the working tree is faster).
+``--both-orders`` times each shape a second time with ours first (``*_2`` entries): the H200's speed
+drifted by 10-28 % within one run on 2026-12-02, which a one-order A/B reads as a difference between
+the kernels (``benchmarks/results/mla_decode-sm90-narrow-tma-2026-12-02.md``).
 
     python -m benchmarks.mla_decode_ab --base HEAD --heads 16 --q-len 1 2 --cache e4m3 --out ab.jsonl
     python -m benchmarks.mla_decode_ab --base HEAD~1 --heads 128 --out ab128.jsonl
@@ -27,7 +27,7 @@ the working tree's modules, so a base that lacks a feature the working tree plan
 decode_sm90_narrow.USE_FP8_PV=0`` or ``decode_sm90_narrow.PAIRED_FP8=0``.
 
 Where the repository's history cannot be trusted (on the GPU host, ``git rev-parse HEAD`` named the
-session's first commit after later ones had been made here), ``--base`` takes a folder of the two
+session's first commit after later ones had been made here), ``--base`` takes a folder of the three
 modules instead: ``git show REV:common_kernels/mla/decode_sm90_seesaw.py > DIR/...``, made here.
 """
 
@@ -50,6 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODULES = {"decode_sm90_seesaw": ("mla_decode_split_kernel_sm90_seesaw", decode_sm90_seesaw),
            "decode_sm90_narrow": ("mla_decode_split_kernel_sm90_narrow", decode_sm90_narrow)}
 OURS = {name: getattr(module, kernel) for name, (kernel, module) in MODULES.items()}
+SHARED = "sm90_common"  # the kernels' helpers: the base side runs on its own copy
 
 
 def revision_source(revision: str, name: str) -> str:
@@ -64,30 +65,35 @@ def revision_source(revision: str, name: str) -> str:
                                capture_output=True, text=True)
         if shown.returncode == 0:
             return shown.stdout
-    raise ValueError(f"--base {revision}: no {name}.py there; the A/B needs {sorted(MODULES)} as they are "
-                     "from 2026-12-02 on (the 64-row kernel decode_sm90_seesaw, helpers in sm90_common)")
+    raise ValueError(f"--base {revision}: no {name}.py there; the A/B needs {sorted([*MODULES, SHARED])} as they "
+                     "are from 2026-12-02 on (the 64-row kernel decode_sm90_seesaw, helpers in sm90_common)")
+
+
+def _exec_at_base(revision: str, name: str, source: str) -> types.ModuleType:
+    """``source`` run as module ``common_kernels.mla.<name>_at_base``, its source readable for jit."""
+    qualified = f"common_kernels.mla.{name}_at_base"
+    path = REPO / "common_kernels" / "mla" / f"{name}_at_base.py"  # the name Gluon's errors show; not written
+    spec = importlib.util.spec_from_loader(qualified, loader=None, origin=str(path))
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "common_kernels.mla"
+    sys.modules[qualified] = module
+    linecache.cache[str(path)] = (len(source), None, source.splitlines(True), str(path))  # for jit's getsource
+    try:
+        exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 (our own source at a revision)
+    except ImportError as error:  # a revision older than sm90_common
+        raise ValueError(f"--base {revision}: its {name}.py imports what the working tree no longer has "
+                         f"({error}); compare with a revision from 2026-12-02 on") from error
+    return module
 
 
 def load_revision(revision: str) -> dict[str, types.ModuleType]:
     """The revision's sm_90 kernel modules, importable beside the working tree's (as
-    ``common_kernels.mla.<name>_at_base``)."""
-    loaded = {}
-    for name in MODULES:
-        source = revision_source(revision, name)
-        qualified = f"common_kernels.mla.{name}_at_base"
-        path = REPO / "common_kernels" / "mla" / f"{name}_at_base.py"  # the name Gluon's errors show; not written
-        spec = importlib.util.spec_from_loader(qualified, loader=None, origin=str(path))
-        module = importlib.util.module_from_spec(spec)
-        module.__package__ = "common_kernels.mla"
-        sys.modules[qualified] = module
-        linecache.cache[str(path)] = (len(source), None, source.splitlines(True), str(path))  # for jit's getsource
-        try:
-            exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 (our own source at a revision)
-        except ImportError as error:  # a revision older than sm90_common
-            raise ValueError(f"--base {revision}: its {name}.py imports what the working tree no longer has "
-                             f"({error}); compare with a revision from 2026-12-02 on") from error
-        loaded[name] = module
-    return loaded
+    ``common_kernels.mla.<name>_at_base``), on the revision's own ``sm90_common``."""
+    sources = {name: revision_source(revision, name) for name in (*MODULES, SHARED)}
+    _exec_at_base(revision, SHARED, sources[SHARED])
+    shared_import = f"from .{SHARED} import"
+    return {name: _exec_at_base(revision, name, sources[name].replace(shared_import, f"from .{SHARED}_at_base import"))
+            for name in MODULES}
 
 
 def use(kernels: dict[str, types.ModuleType] | None) -> None:

@@ -2,12 +2,13 @@
 and out of ``mla_decode`` (timing needs a GPU; loading and swapping do not)."""
 
 import subprocess
+import sys
 
 import pytest
 import torch
 
 from benchmarks import mla_decode_ab
-from common_kernels.mla import decode_sm90_narrow, decode_sm90_seesaw, plan_decode
+from common_kernels.mla import decode_sm90_narrow, decode_sm90_seesaw, plan_decode, sm90_common
 
 
 def kernels_in_use():
@@ -32,19 +33,33 @@ def test_a_revisions_kernels_load_beside_ours_and_swap():
     assert kernels_in_use() == ours
 
 
-def test_a_folder_of_copies_stands_for_a_revision(tmp_path):
-    for name in mla_decode_ab.MODULES:
+def copy_head(folder, names):
+    for name in names:
         source = subprocess.run(["git", "show", f"HEAD:common_kernels/mla/{name}.py"], cwd=mla_decode_ab.REPO,
                                 check=True, capture_output=True, text=True).stdout
-        (tmp_path / f"{name}.py").write_text(source.replace('"""', '"""Copied. ', 1))
+        (folder / f"{name}.py").write_text(source.replace('"""', '"""Copied. ', 1))
+
+
+def test_a_folder_of_copies_stands_for_a_revision(tmp_path):
+    copy_head(tmp_path, [*mla_decode_ab.MODULES, mla_decode_ab.SHARED])
     base = mla_decode_ab.load_revision(str(tmp_path))
     for name in mla_decode_ab.MODULES:  # read from the folder, not from git
         assert base[name].__doc__.startswith("Copied. "), name
 
 
+def test_the_base_kernels_run_on_the_base_helpers(tmp_path):
+    copy_head(tmp_path, [*mla_decode_ab.MODULES, mla_decode_ab.SHARED])
+    base = mla_decode_ab.load_revision(str(tmp_path))
+    helpers = sys.modules["common_kernels.mla.sm90_common_at_base"]
+    assert helpers.__doc__.startswith("Copied. ")
+    for name in mla_decode_ab.MODULES:  # a change to sm90_common alone shows in an A/B
+        assert base[name]._page_of is helpers._page_of is not sm90_common._page_of, name
+
+
 def test_an_older_revision_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="no decode_sm90_seesaw.py"):
         mla_decode_ab.load_revision(str(tmp_path))
+    copy_head(tmp_path, [mla_decode_ab.SHARED])
     for name in mla_decode_ab.MODULES:  # as before 2026-12-02: the narrow kernel imported decode_sm90
         (tmp_path / f"{name}.py").write_text("from .decode_sm90 import D_LATENT\n")
     with pytest.raises(ValueError, match="imports what the working tree no longer has"):
