@@ -39,12 +39,19 @@ def ours(x, w, ws, config=None):
 
 
 SM90_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, SPLIT_K=1, GROUP_M=8, num_warps=8, num_stages=5, KERNEL="sm90")
+SM90_WS_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, SPLIT_K=1, GROUP_M=8, num_warps=4, num_stages=6, KERNEL="sm90_ws")
 
 
 def ours_sm90(x, w, ws):
     """The Gluon kernel (``gemm_sm90``) at one fixed config, before any tuned table picks it;
     from M = 128 (below, its 128-row tiles are mostly padding)."""
     return ours(x, w, ws, SM90_CONFIG) if x.shape[0] >= 128 else None
+
+
+def ours_sm90_ws(x, w, ws):
+    """The warp-specialized Gluon kernel (``gemm_sm90_ws``) at one fixed config, before any tuned
+    table picks it; from M = 128."""
+    return ours(x, w, ws, SM90_WS_CONFIG) if x.shape[0] >= 128 else None
 
 
 def vllm_triton(x, w, ws):
@@ -106,8 +113,8 @@ def cublas_bf16(x, w, ws):
     return lambda: x @ w_bf16.T
 
 
-PROVIDERS = {"latentspeed": ours, "latentspeed-sm90": ours_sm90, "vLLM-Triton": vllm_triton, "vLLM-CUTLASS": vllm_cutlass,
-             "vLLM-DeepGEMM": vllm_deep_gemm, "SGLang-Triton": sglang_triton, "SGLang-CUTLASS": sglang_cutlass,
+PROVIDERS = {"latentspeed": ours, "latentspeed-sm90": ours_sm90, "latentspeed-sm90-ws": ours_sm90_ws,
+             "vLLM-Triton": vllm_triton, "vLLM-CUTLASS": vllm_cutlass, "vLLM-DeepGEMM": vllm_deep_gemm, "SGLang-Triton": sglang_triton, "SGLang-CUTLASS": sglang_cutlass,
              "cuBLAS-bf16": cublas_bf16}
 
 
@@ -140,8 +147,8 @@ def main():
                 row = dict(provider=name, m=m, n=n, k=k, us=us, tflop_s=2 * m * n * k / us / 1e6, rel_err=err)
                 if name == "latentspeed":
                     row.update(quant_us=quant_us, config=gemm_config(m, n, k, x.device))
-                if name == "latentspeed-sm90":
-                    row.update(config=SM90_CONFIG)
+                if name in ("latentspeed-sm90", "latentspeed-sm90-ws"):
+                    row.update(config=SM90_CONFIG if name == "latentspeed-sm90" else SM90_WS_CONFIG)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     with open(args.out, "w") as f:

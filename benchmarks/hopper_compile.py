@@ -173,7 +173,7 @@ def gemm_report(block_m: int, block_n: int, num_warps: int, num_stages: int, max
 def every_kernel_report() -> dict[str, HopperReport]:
     """Every launchable kernel of ``common_kernels`` at a DeepSeek-V3 launch (fp8 E4M3 where the
     kernel takes fp8), for a check that all of them compile for Hopper."""
-    from common_kernels.fp8 import gemm, gemm_sm90, moe, norm_quant, quant, silu_mul_quant
+    from common_kernels.fp8 import gemm, gemm_sm90, gemm_sm90_ws, moe, norm_quant, quant, silu_mul_quant
     from common_kernels.mla import cache, decode, prefill
 
     bf16, fp8, f32, i32, i64 = torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32, torch.int64
@@ -228,6 +228,14 @@ def every_kernel_report() -> dict[str, HopperReport]:
                                                           b_scale_ptr=f32),
             dict(BLOCK_K=128, BLOCK_M=128, BLOCK_N=bn, GROUP_M=8, NUM_STAGES=4), 8, 1,
             unaligned=("M", "stride_asm", "stride_bsn"))
+    for bn in gemm_sm90_ws.BLOCK_NS:  # the warp-specialized Gluon GEMM, at DeepSeek-V3's 2048 x 7168
+        a, b = torch.empty(4096, 7168, dtype=fp8), torch.empty(2048, 7168, dtype=fp8)
+        a_desc, b_desc = gemm_sm90_ws.descriptors(a, b, bn)
+        reports[f"gemm sm90 ws 128x{bn}"] = compile_for_hopper(
+            gemm_sm90_ws.block_scaled_gemm_kernel_sm90_ws, dict(c_ptr=bf16, a_scale_ptr=f32, b_scale_ptr=f32),
+            dict(BLOCK_N=bn, GROUP_M=8, NUM_STAGES=6), gemm_sm90_ws.NUM_WARPS.value, 1,
+            unaligned=("M", "stride_asm", "stride_bsn"), maxnreg=gemm_sm90_ws.MAXNREG,
+            typed=dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc)))
     reports["gemm split-k sum"] = compile_for_hopper(
         gemm._split_k_sum_kernel, dict(partial_ptr=f32, c_ptr=bf16), dict(SPLIT_K=4, BLOCK=1024), 4, 3,
         unaligned=("M",))

@@ -2,8 +2,8 @@
 
 For each DeepSeek-V3 linear shape (``fp8_gemm.SHAPES``, or ``--shapes N,K ...``) and each M, every
 candidate (tile sizes, pipeline stages, warps, K splits; the space depends on M: split K and
-narrow tiles for small M, large tiles for large M; on Hopper from M = 128 also the Gluon kernel
-of ``gemm_sm90``, ``"KERNEL": "sm90"``) is compiled, checked against the reference
+narrow tiles for small M, large tiles for large M; on Hopper from M = 128 also the Gluon kernels
+of ``gemm_sm90``, ``"KERNEL": "sm90"``, and ``gemm_sm90_ws``, ``"KERNEL": "sm90_ws"``) is compiled, checked against the reference
 on the same operands, and timed (CUDA-event median, L2 flushed). The winners are written as
 the table ``common_kernels.fp8.gemm`` reads (``configs/gemm_<GPU name>.json``, or the file that
 ``LATENTSPEED_FP8_GEMM_CONFIGS`` names), with the time of each winner and of the untuned default.
@@ -21,7 +21,7 @@ import triton
 
 from benchmarks.fp8_gemm import SHAPES
 from benchmarks.tuned_tables import write_tuned_table
-from common_kernels.fp8 import block_scaled_gemm, gemm_sm90, quantize_per_token_group
+from common_kernels.fp8 import block_scaled_gemm, gemm_sm90, gemm_sm90_ws, quantize_per_token_group
 from common_kernels.fp8.gemm import SCALE_BLOCK, default_config
 from common_kernels.fp8.reference import block_scaled_gemm_ref, quantize_weight_blocks_ref
 
@@ -47,6 +47,9 @@ def candidates(m: int, k: int):
     if m >= 128 and k % 16 == 0 and torch.cuda.get_device_capability()[0] == 9:  # the Gluon kernel (gemm_sm90)
         for (bm, bn, warps), stages in itertools.product(gemm_sm90.TILES, (4, 5, 6)):
             yield dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, GROUP_M=8, num_warps=warps, num_stages=stages, KERNEL="sm90")
+        for bn, stages in itertools.product(gemm_sm90_ws.BLOCK_NS, (4, 5, 6)):
+            yield dict(BLOCK_M=gemm_sm90_ws.BLOCK_M.value, BLOCK_N=bn, SPLIT_K=1, GROUP_M=8,
+                       num_warps=gemm_sm90_ws.NUM_WARPS.value, num_stages=stages, KERNEL="sm90_ws")
 
 
 def tune_one(m: int, n: int, k: int, w, ws, sms: int) -> dict:

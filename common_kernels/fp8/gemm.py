@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..fp8_format import FP8_DTYPES
-from . import gemm_sm90
+from . import gemm_sm90, gemm_sm90_ws
 
 SCALE_BLOCK = 128
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -144,7 +144,8 @@ def block_scaled_gemm(
         config: launch parameters (``BLOCK_M``, ``BLOCK_N``, ``SPLIT_K``, ``GROUP_M``, ``num_warps``,
             ``num_stages``); default ``gemm_config``, a table tuned per GPU and (N, K), then a
             heuristic. ``SPLIT_K > 1`` sums fp32 partials in a second kernel. ``"KERNEL": "sm90"``
-            runs ``gemm_sm90``'s Gluon kernel (Hopper; ``gemm_sm90.fits`` says which configs).
+            runs ``gemm_sm90``'s Gluon kernel, ``"sm90_ws"`` the warp-specialized one of
+            ``gemm_sm90_ws`` (Hopper; their ``fits`` say which configs).
 
     Returns ``C [M, N]``. Raises ``ValueError`` naming any shape, dtype or layout mismatch.
     """
@@ -171,7 +172,7 @@ def block_scaled_gemm(
 
 def _launch(a, a_scale, b, b_scale, out, config: dict) -> None:
     (m, k), n = a.shape, b.shape[0]
-    if config.get("KERNEL") == "sm90":
+    if config.get("KERNEL") in ("sm90", "sm90_ws"):
         _launch_sm90(a, a_scale, b, b_scale, out, config)
         return
     split = config["SPLIT_K"]
@@ -196,14 +197,22 @@ def _capability(device_index: int | None) -> tuple[int, int]:
 
 def _launch_sm90(a, a_scale, b, b_scale, out, config: dict) -> None:
     (m, k), n = a.shape, b.shape[0]
-    if not gemm_sm90.fits(config):
-        raise ValueError(f"config {config} does not fit the sm_90 GEMM kernel (gemm_sm90.fits)")
+    module = gemm_sm90_ws if config["KERNEL"] == "sm90_ws" else gemm_sm90
+    if not module.fits(config):
+        raise ValueError(f"config {config} does not fit the sm_90 GEMM kernel ({module.__name__}.fits)")
     if a.device.type != "cuda" or _capability(a.device.index)[0] != 9:
         raise ValueError(f"the sm_90 GEMM kernel runs on Hopper GPUs only, not on {a.device}")
     if any(t.stride(0) % 16 or t.data_ptr() % 16 for t in (a, b)):
         raise ValueError("the sm_90 GEMM kernel copies 16-byte rows: a and b need 16-byte aligned rows "
                          f"(K = {k}, row strides {a.stride(0)} and {b.stride(0)})")
     grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
+    if module is gemm_sm90_ws:
+        gemm_sm90_ws.block_scaled_gemm_kernel_sm90_ws[grid](
+            *gemm_sm90_ws.descriptors(a, b, config["BLOCK_N"]), out, a_scale, b_scale, m, n, k, out.stride(0),
+            a_scale.stride(0), b_scale.stride(0), BLOCK_N=config["BLOCK_N"], GROUP_M=config["GROUP_M"],
+            NUM_STAGES=config["num_stages"], num_warps=config["num_warps"], maxnreg=gemm_sm90_ws.MAXNREG,
+        )
+        return
     gemm_sm90.block_scaled_gemm_kernel_sm90[grid](
         a, b, out, a_scale, b_scale, m, n, k, a.stride(0), b.stride(0), out.stride(0), a_scale.stride(0),
         b_scale.stride(0), BLOCK_K=SCALE_BLOCK, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],

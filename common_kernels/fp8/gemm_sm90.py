@@ -15,7 +15,7 @@ accumulator: ``3 * BLOCK_N / 2`` registers a thread (192 at ``BLOCK_N = 128``), 
 in one 128-wide weight block: its ``b_scale`` is one value per K block.
 
 Compiled for sm_90a (``benchmarks/hopper_compile.py``): 128 x 128 tiles take 255 registers, no
-spills; 128 x 64 take 155. Two constructs keep ptxas from serializing the wgmma (it waits after
+spills; 128 x 64 take 156. Two constructs keep ptxas from serializing the wgmma (it waits after
 each one when any other instruction copies or defines an in-flight accumulator, C7514/C7515):
 K blocks go in pairs, each register set's next wgmma overwriting its own folded partial, and the
 scaling multiply-adds are volatile inline assembly, which LLVM cannot sink below the next wgmma.
@@ -90,27 +90,31 @@ def _row_scale(a_scales, b_scale, kb, mask_rows):
 
 
 @gluon.jit
+def grouped_tile(M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """This program's tile ``(pid_m, pid_n)`` of C, tiles ordered in groups of ``GROUP_M`` rows of
+    tiles, as the Triton kernel orders them (neighbouring programs share A rows and B columns in L2)."""
+    pid = gl.program_id(0)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    first_m = pid // (GROUP_M * tiles_n) * GROUP_M
+    rows_in_group = gl.minimum(gl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    return first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group, (pid % (GROUP_M * tiles_n)) // rows_in_group
+
+
+@gluon.jit
 def block_scaled_gemm_kernel_sm90(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr,
     M, N, K, stride_am, stride_bn, stride_cm, stride_asm, stride_bsn,
     BLOCK_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
     NUM_STAGES: gl.constexpr,
 ):
-    """One ``BLOCK_M x BLOCK_N`` tile of C over all K blocks; tiles ordered in groups of
-    ``GROUP_M`` rows of tiles, as the Triton kernel orders them."""
+    """One ``BLOCK_M x BLOCK_N`` tile of C over all K blocks (``grouped_tile``)."""
     gl.static_assert(BLOCK_M == 16 * gl.num_warps() and BLOCK_N <= 128 and NUM_STAGES >= 3)
     in_ty: gl.constexpr = a_ptr.dtype.element_ty
     ld: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])  # 16 fp8 values a copy
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                   instr_shape=[16, BLOCK_N, 32])
 
-    pid = gl.program_id(0)
-    tiles_m = gl.cdiv(M, BLOCK_M)
-    tiles_n = gl.cdiv(N, BLOCK_N)
-    first_m = pid // (GROUP_M * tiles_n) * GROUP_M
-    rows_in_group = gl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group
-    pid_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))

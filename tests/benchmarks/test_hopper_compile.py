@@ -27,7 +27,7 @@ def hopper_compile(*args: str, **environ: str) -> dict:
 
 def test_every_kernel_compiles_for_hopper():
     reports = hopper_compile("all")
-    assert len(reports) == 29
+    assert len(reports) == 31
     for label, report in reports.items():
         if label.startswith("decode, "):
             assert report["async_copies"] + report["tma_copies"] > 0, f"{label}: the tile loads are not asynchronous"
@@ -38,6 +38,13 @@ def test_every_kernel_compiles_for_hopper():
         assert reports[label]["wgmma"] > 0 and reports[label]["async_copies"] > 0, label
     for label in ("gemm 64x128", "gemm sm90 128x128", "gemm sm90 128x64"):
         assert reports[label]["spill_bytes"] == 0, label
+    # the warp-specialized GEMM: one producer warp's two bulk tensor copies a K block, four wgmma a K
+    # block in each of the two consumer warpgroups, nothing copied by threads, no spills under the
+    # launch's 168 registers a thread (the consumers get 232 each by setmaxnreg)
+    for label in ("gemm sm90 ws 128x128", "gemm sm90 ws 128x64"):
+        report = reports[label]
+        assert (report["tma_copies"], report["wgmma"], report["async_copies"]) == (2, 8, 0), label
+        assert report["spill_bytes"] == 0 and report["registers"] <= 168, label
     assert all(report["shared_bytes"] <= 227 * 1024 for report in reports.values())
     serialized = [label for label, report in reports.items() if report["wgmma_serialized"]]
     assert not serialized, f"ptxas serializes the wgmma of {serialized} (C7511: short of registers; C7514/C7515: " \

@@ -152,6 +152,13 @@ def test_sm90_gemm_refuses_other_devices_and_configs():
     for bad in (dict(BLOCK_N=256), dict(SPLIT_K=2), dict(BLOCK_M=64), dict(num_stages=2)):
         with pytest.raises(ValueError, match="does not fit the sm_90 GEMM kernel"):
             block_scaled_gemm(a, a_scale, b, b_scale, config=dict(config, **bad))
+    ws = dict(config, num_warps=4, num_stages=6, KERNEL="sm90_ws")  # the warp-specialized kernel (gemm_sm90_ws)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="Hopper GPUs only"):
+            block_scaled_gemm(a, a_scale, b, b_scale, config=ws)
+    for bad in (dict(BLOCK_N=256), dict(SPLIT_K=2), dict(BLOCK_M=64), dict(num_warps=8), dict(num_stages=1)):
+        with pytest.raises(ValueError, match=r"does not fit the sm_90 GEMM kernel \(.*gemm_sm90_ws.fits\)"):
+            block_scaled_gemm(a, a_scale, b, b_scale, config=dict(ws, **bad))
 
 
 def test_block_scaled_gemm_rejects_malformed_scales():

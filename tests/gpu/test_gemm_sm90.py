@@ -1,5 +1,6 @@
-"""The Gluon block-FP8 GEMM for Hopper (``common_kernels/fp8/gemm_sm90.py``) on an sm_90 GPU,
-against the fp32 reference and the Triton kernel, at every config the tuner may pick for it.
+"""The Gluon block-FP8 GEMMs for Hopper (``common_kernels/fp8/gemm_sm90.py`` and the warp-specialized
+``gemm_sm90_ws.py``) on an sm_90 GPU, against the fp32 reference and the Triton kernel, at every
+config the tuner may pick for them.
 It cannot run in the interpreter; ``benchmarks/hopper_compile.py`` compiles it on any machine.
 
     pytest tests/gpu/test_gemm_sm90.py -q          (skipped without an sm_90 GPU)
@@ -17,7 +18,7 @@ RMS error 1.7e-3, as bf16 rounding alone gives).
 import pytest
 import torch
 
-from common_kernels.fp8 import block_scaled_gemm, gemm_sm90
+from common_kernels.fp8 import block_scaled_gemm, gemm_sm90, gemm_sm90_ws
 from common_kernels.fp8.reference import block_scaled_gemm_ref, quantize_per_token_group_ref, quantize_weight_blocks_ref
 from tests.helpers import assert_close
 
@@ -25,9 +26,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
                                 reason="needs an sm_90 GPU")
 SM90_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, GROUP_M=8, num_warps=warps, num_stages=stages, KERNEL="sm90")
                 for bm, bn, warps in gemm_sm90.TILES for stages in (3, 4, 6)]
+SM90_CONFIGS += [dict(BLOCK_M=128, BLOCK_N=bn, SPLIT_K=1, GROUP_M=8, num_warps=4, num_stages=stages, KERNEL="sm90_ws")
+                 for bn in gemm_sm90_ws.BLOCK_NS for stages in (2, 4, 6)]
 
 
-@pytest.mark.parametrize("config", SM90_CONFIGS, ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}-s{c['num_stages']}")
+@pytest.mark.parametrize("config", SM90_CONFIGS,
+                         ids=lambda c: f"{c['KERNEL']}-{c['BLOCK_M']}x{c['BLOCK_N']}-s{c['num_stages']}")
 @pytest.mark.parametrize("m, n, k", [(1, 64, 128), (70, 200, 256), (300, 2112, 384), (129, 576, 640),
                                      (33, 256, 208), (4096, 2112, 7168)])
 def test_matches_reference_and_triton(config, m, n, k):
@@ -46,8 +50,9 @@ def test_matches_reference_and_triton(config, m, n, k):
     assert_close(out, triton_out, atol=atol, rtol=1e-2, name="sm90 gemm vs triton")
 
 
-def test_refuses_rows_it_cannot_copy():
+@pytest.mark.parametrize("kernel", ["sm90", "sm90_ws"])
+def test_refuses_rows_it_cannot_copy(kernel):
     a, a_scale = quantize_per_token_group_ref(torch.randn(8, 200, device="cuda"))
     b, b_scale = quantize_weight_blocks_ref(torch.randn(64, 200, device="cuda"))
     with pytest.raises(ValueError, match="16-byte aligned rows"):
-        block_scaled_gemm(a, a_scale, b, b_scale, config=SM90_CONFIGS[0])
+        block_scaled_gemm(a, a_scale, b, b_scale, config=next(c for c in SM90_CONFIGS if c["KERNEL"] == kernel))

@@ -1,0 +1,142 @@
+"""The block-scaled fp8 GEMM for Hopper (sm_90), warp-specialized: one warp copies, two warpgroups
+multiply.
+
+Same contract as ``gemm._block_scaled_gemm_kernel`` without K splits (the ``gemm`` module docstring
+has the formula): ``C [M, N] = sum_kb a_scale[:, kb] * b_scale[:, kb] * A[:, kb] B[:, kb]^T``, one
+fp32 partial per 128-wide K block, scaled before it joins the fp32 accumulator. A tuned table
+selects it per shape with ``"KERNEL": "sm90_ws"``.
+
+Why a third kernel: the Triton kernel and ``gemm_sm90`` stop at 620-760 TFLOP/s on the H200 where
+DeepGEMM reaches 1200-1330 (``benchmarks/notes.md``). ncu put 20 % of the Triton kernel's stall
+samples on the wait for each K block's wgmma, and both kernels copy with ``cp.async``, 16 bytes a
+thread. This one has DeepGEMM's structure:
+
+- a 128 x ``BLOCK_N`` tile a program; one producer warp copies each K block of A (128 rows) and B
+  (``BLOCK_N`` rows) by TMA into a ring of ``NUM_STAGES`` slots (the copy engine zero-fills rows
+  and K columns past the matrix);
+- two consumer warpgroups, 64 rows each, wait for a slot, run its wgmma, wait for it, hand the
+  slot back and fold the partial into their accumulator with the K block's scales. Each waits for
+  its own wgmma, but its fold can run while the other warpgroup's wgmma holds the tensor cores
+  (not when the two run in step);
+- registers moved to the consumers (``setmaxnreg``): ``CONSUMER_REGS`` each, ``PRODUCER_REGS`` for
+  the copy warp.
+
+Barriers: ``ready[s]`` completes when slot ``s``'s bytes have landed (TMA transaction count);
+``empty[s]`` when both consumers are done with it (count 2, one arrival a warpgroup after a
+barrier of its four warps). The ring's first pass waits on nothing: a fresh barrier counts as
+having completed the phase before its first.
+
+Operands need 16-byte aligned rows (TMA): ``K % 16 == 0``. Compiled for sm_90a
+(``benchmarks/hopper_compile.py``): 168 registers a thread at launch, no spills, wgmma not
+serialized; 192 KiB of shared memory at 128 x 128 with six stages. Not yet run on a GPU.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .gemm_sm90 import grouped_tile
+
+BLOCK_M = gl.constexpr(128)  # two consumer warpgroups of 64 rows
+BLOCK_K = gl.constexpr(128)  # one scale block
+NUM_WARPS = gl.constexpr(4)  # the default partition: consumer 0; consumer 1 (4 warps) and the producer (1) are workers
+CONSUMER_REGS = gl.constexpr(232)
+PRODUCER_REGS = gl.constexpr(40)
+# registers a thread at launch: the kernel's 4 + 4 + 1 warps count as three warpgroups, and the
+# registers left by the workers' requests go to the default partition
+MAXNREG = 168
+BLOCK_NS = (128, 64)  # a tile's columns lie in one 128-wide weight block
+
+
+def fits(config: dict) -> bool:
+    """Whether this kernel takes a launch config."""
+    return (config.get("SPLIT_K", 1) == 1 and config["BLOCK_M"] == BLOCK_M.value and config["BLOCK_N"] in BLOCK_NS
+            and config["num_warps"] == NUM_WARPS.value and config["num_stages"] >= 2)
+
+
+def descriptors(a, b, block_n: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of A ``[M, K]`` and B ``[N, K]`` (fp8, 16-byte aligned rows) in the kernel's boxes."""
+    def box(t, rows):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K.value], gl.float8e4nv)
+        return TensorDescriptor.from_tensor(t, [rows, BLOCK_K.value], layout)
+    return box(a, BLOCK_M.value), box(b, block_n)
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_ring, b_ring, ready, empty, off_m, off_n, k_blocks, NUM_STAGES: gl.constexpr):
+    """Copy K blocks ``0 .. k_blocks - 1`` of the tile's A and B rows into the ring, each slot once
+    both consumers have handed it back."""
+    nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    for kb in range(k_blocks):
+        slot = kb % NUM_STAGES
+        mbarrier.wait(empty.index(slot), (kb // NUM_STAGES & 1) ^ 1)
+        mbarrier.expect(ready.index(slot), nbytes)
+        tma.async_copy_global_to_shared(a_desc, [off_m, kb * BLOCK_K], ready.index(slot), a_ring.index(slot))
+        tma.async_copy_global_to_shared(b_desc, [off_n, kb * BLOCK_K], ready.index(slot), b_ring.index(slot))
+
+
+@gluon.jit
+def _consumer(a_ring, b_ring, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, stride_cm, stride_asm, stride_bsn,
+              off_m, off_n, k_blocks, WG: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Rows ``off_m + 64 WG ..`` of the tile: every K block's wgmma, folded with its scales, then
+    stored."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+    rows = off_m + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    mask_rows = rows < M
+    a_scales = a_scale_ptr + rows.to(gl.int64) * stride_asm
+    b_scale = b_scale_ptr + (off_n // BLOCK_K).to(gl.int64) * stride_bsn
+    acc = gl.zeros([64, BLOCK_N], gl.float32, layout=mma)
+    partial = gl.zeros([64, BLOCK_N], gl.float32, layout=mma)
+    for kb in range(k_blocks):
+        slot = kb % NUM_STAGES
+        scale = gl.load(a_scales + kb, mask=mask_rows, other=0.0) * gl.load(b_scale + kb)  # under the wait
+        mbarrier.wait(ready.index(slot), kb // NUM_STAGES & 1)
+        partial = warpgroup_mma(a_ring.index(slot).slice(WG * 64, 64, dim=0), b_ring.index(slot).permute([1, 0]),
+                                partial, use_acc=False, is_async=True)
+        partial = warpgroup_mma_wait(num_outstanding=0, deps=[partial])
+        gl.thread_barrier()  # this warpgroup's four warps are past the wgmma: the slot is free
+        mbarrier.arrive(empty.index(slot), count=1)
+        acc += partial * scale[:, None]
+    c = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
+    gl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_rows[:, None] & (cols < N)[None, :])
+
+
+@gluon.jit
+def block_scaled_gemm_kernel_sm90_ws(
+    a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr,
+    M, N, K, stride_cm, stride_asm, stride_bsn,
+    BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+):
+    """One ``128 x BLOCK_N`` tile of C over all K blocks (``gemm_sm90.grouped_tile``). ``a_desc``:
+    boxes of ``[128, 128]`` over A ``[M, K]``; ``b_desc``: ``[BLOCK_N, 128]`` over B ``[N, K]``, both
+    128-byte swizzled (``descriptors``)."""
+    gl.static_assert(gl.num_warps() == NUM_WARPS and BLOCK_N <= BLOCK_K and NUM_STAGES >= 2)
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    k_blocks = gl.cdiv(K, BLOCK_K)
+
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_ring = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_consumer, (a_ring, b_ring, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, stride_cm, stride_asm,
+                     stride_bsn, off_m, off_n, k_blocks, 0, BLOCK_N, NUM_STAGES)),
+        (_consumer, (a_ring, b_ring, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, stride_cm, stride_asm,
+                     stride_bsn, off_m, off_n, k_blocks, 1, BLOCK_N, NUM_STAGES)),
+        (_producer, (a_desc, b_desc, a_ring, b_ring, ready, empty, off_m, off_n, k_blocks, NUM_STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
