@@ -114,8 +114,8 @@ def cublas_bf16(x, w, ws):
 
 
 PROVIDERS = {"latentspeed": ours, "latentspeed-sm90": ours_sm90, "latentspeed-sm90-ws": ours_sm90_ws,
-             "vLLM-Triton": vllm_triton, "vLLM-CUTLASS": vllm_cutlass, "vLLM-DeepGEMM": vllm_deep_gemm, "SGLang-Triton": sglang_triton, "SGLang-CUTLASS": sglang_cutlass,
-             "cuBLAS-bf16": cublas_bf16}
+             "vLLM-Triton": vllm_triton, "vLLM-CUTLASS": vllm_cutlass, "vLLM-DeepGEMM": vllm_deep_gemm,
+             "SGLang-Triton": sglang_triton, "SGLang-CUTLASS": sglang_cutlass, "cuBLAS-bf16": cublas_bf16}
 
 
 def main():

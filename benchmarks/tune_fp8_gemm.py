@@ -3,10 +3,11 @@
 For each DeepSeek-V3 linear shape (``fp8_gemm.SHAPES``, or ``--shapes N,K ...``) and each M, every
 candidate (tile sizes, pipeline stages, warps, K splits; the space depends on M: split K and
 narrow tiles for small M, large tiles for large M; on Hopper from M = 128 also the Gluon kernels
-of ``gemm_sm90``, ``"KERNEL": "sm90"``, and ``gemm_sm90_ws``, ``"KERNEL": "sm90_ws"``) is compiled, checked against the reference
-on the same operands, and timed (CUDA-event median, L2 flushed). The winners are written as
-the table ``common_kernels.fp8.gemm`` reads (``configs/gemm_<GPU name>.json``, or the file that
-``LATENTSPEED_FP8_GEMM_CONFIGS`` names), with the time of each winner and of the untuned default.
+of ``gemm_sm90``, ``"KERNEL": "sm90"``, and ``gemm_sm90_ws``, ``"KERNEL": "sm90_ws"``) is
+compiled, checked against the reference on the same operands, and timed (CUDA-event median, L2
+flushed). The winners are written as the table ``common_kernels.fp8.gemm`` reads
+(``configs/gemm_<GPU name>.json``, or the file that ``LATENTSPEED_FP8_GEMM_CONFIGS`` names), with
+the time of each winner and of the untuned default.
 
     python benchmarks/tune_fp8_gemm.py --out common_kernels/fp8/configs/gemm_NVIDIA_H200.json
 """

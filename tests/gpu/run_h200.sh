@@ -74,8 +74,8 @@ for step in "$@"; do
       python3 -m benchmarks.tune_fp8_moe --out "$out/moe_configs.json" 2>"$out/tune-moe.err" | tee "$out/tune-moe.log" \
         && export LATENTSPEED_FP8_MOE_CONFIGS=$(realpath "$out")/moe_configs.json ;;
     fp8-bench)
-      python3 benchmarks/fp8_gemm.py --providers latentspeed latentspeed-sm90 latentspeed-sm90-ws vLLM-Triton vLLM-CUTLASS \
-        vLLM-DeepGEMM cuBLAS-bf16 \
+      python3 benchmarks/fp8_gemm.py --providers latentspeed latentspeed-sm90 latentspeed-sm90-ws vLLM-Triton \
+        vLLM-CUTLASS vLLM-DeepGEMM cuBLAS-bf16 \
         --out "$out/fp8_gemm.json" 2>&1 | tee "$out/fp8-bench.log" | tail -n 40 ;;
     fp8-bench-sglang)
       python3 benchmarks/fp8_gemm.py --providers latentspeed SGLang-Triton SGLang-CUTLASS cuBLAS-bf16 \
