@@ -68,6 +68,7 @@ program with the widening buffer at one query token; paired five tiles 180 KiB, 
 ``benchmarks/results/mla_decode-sm90-narrow64-2026-12-02.md``.)
 """
 
+import functools
 import os
 
 import torch
@@ -180,6 +181,12 @@ _GL_FP8 = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
 TMA_BOX = 128  # latent columns a box: 128 bytes of fp8, the 128-byte swizzle's width
 
 
+@functools.cache
+def _tile_layouts(dtype: torch.dtype) -> tuple[gl.NVMMASharedLayout, gl.NVMMASharedLayout]:
+    """The shared layouts of a key tile's latent and RoPE parts (built once: host time every launch)."""
+    return tuple(gl.NVMMASharedLayout.get_default_for([BLOCK_N, width], _GL_FP8[dtype]) for width in (D_LATENT, D_ROPE))
+
+
 def tma_options(cache: torch.Tensor) -> dict:
     """The launch's bulk-copy arguments for a paged fp8 cache ``[N_blocks, B_page, D]`` whose pages
     lie back to back, 16-byte aligned (``USE_TMA_FP8``): two descriptors over its rows, boxes of
@@ -192,9 +199,7 @@ def tma_options(cache: torch.Tensor) -> dict:
             or cache.stride(2) != 1 or cache.data_ptr() % 16 or cache.stride(1) * cache.element_size() % 16):
         return {}
     rows = cache.as_strided((blocks * page, width), (cache.stride(1), 1))
-    dtype = _GL_FP8[cache.dtype]
-    latent = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], dtype)
-    rope = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], dtype)
+    latent, rope = _tile_layouts(cache.dtype)
     return dict(kc_desc=TensorDescriptor.from_tensor(rows, [BLOCK_N, TMA_BOX], latent),
                 kp_desc=TensorDescriptor.from_tensor(rows, [BLOCK_N, D_ROPE], rope), TMA_BOX=TMA_BOX)
 
@@ -318,7 +323,7 @@ def _tiles(smem, bars, kc_desc, kp_desc, cache_ptr, bt_row, stride_cache_block, 
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     for i in range(FIRST, n_tiles, STEP):
         if TMA_BOX:  # the refill of this warpgroup's previous slot waits for the column-max barrier below
-            _wait_tile_tma(kc_ring, bars, i, start, end, BLOCK_N, D_LATENT, NUM_BUFS, ld_keys)
+            _wait_tile_tma(kc_ring, bars, i, start, end, BLOCK_N, D_LATENT, NUM_BUFS)
         else:
             page = _advance_ring(kc_ring, kp_ring, i, page, start, end, cache_ptr, bt_row, stride_cache_block,
                                  stride_cache_tok, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE, NUM_BUFS, ld_keys)

@@ -134,12 +134,12 @@ def _start_ring_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, start, end, bt_row
 
 @gluon.jit
 def _wait_tile_tma(kc_ring, bars, i, start, end, BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr,
-                   NUM_BUFS: gl.constexpr, zero_layout: gl.constexpr):
+                   NUM_BUFS: gl.constexpr):
     """Wait for tile ``i``'s bulk copies and zero its latent rows past ``end``."""
     mbarrier.wait(bars.index(i % NUM_BUFS), (i // NUM_BUFS) & 1)
     rows_left = end - (start + i * BLOCK_N)
     if rows_left < BLOCK_N:
-        _zero_tail(kc_ring.index(i % NUM_BUFS), rows_left, BLOCK_N, D_LATENT, zero_layout)
+        _zero_tail(kc_ring.index(i % NUM_BUFS), rows_left, BLOCK_N, D_LATENT)
 
 
 @gluon.jit
@@ -157,14 +157,19 @@ def _refill_tma(kc_desc, kp_desc, kc_ring, kp_ring, bars, i, page, start, end, b
 
 
 @gluon.jit
-def _zero_tail(kc, rows_left, BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr, layout: gl.constexpr):
+def _zero_tail(kc, rows_left, BLOCK_N: gl.constexpr, D_LATENT: gl.constexpr):
     """Zero the latent part of the tile's rows from ``rows_left`` on: a page's rows past the keys are
-    stale or never written (possibly NaN), and ``P V`` multiplies them by zero."""
-    CHUNK: gl.constexpr = 128
-    keep = (gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout)) < rows_left)[:, None]
-    for j in gl.static_range(D_LATENT // CHUNK):
-        part = kc.slice(j * CHUNK, CHUNK, dim=1)
-        part.store(gl.where(keep, part.load(layout), gl.zeros([BLOCK_N, CHUNK], kc.dtype, layout)))
+    stale or never written (possibly NaN), and ``P V`` multiplies them by zero. Works on 32-bit words
+    of an int32 view of the slot (whole words of one row: the 128-byte swizzle keeps each row in its
+    own 128-byte lines); selecting fp8 elements would be lowered byte by byte."""
+    CHUNK: gl.constexpr = 32
+    WORDS: gl.constexpr = D_LATENT * kc.dtype.primitive_bitwidth // 32
+    words: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [gl.num_warps(), 1], [1, 0])
+    kw = kc._reinterpret(gl.int32, [BLOCK_N, WORDS], gl.NVMMASharedLayout.get_default_for([BLOCK_N, WORDS], gl.int32))
+    keep = (gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, words)) < rows_left)[:, None]
+    for j in gl.static_range(WORDS // CHUNK):
+        part = kw.slice(j * CHUNK, CHUNK, dim=1)
+        part.store(gl.where(keep, part.load(words), gl.zeros([BLOCK_N, CHUNK], gl.int32, words)))
     fence_async_shared()
     gl.thread_barrier()
 

@@ -54,11 +54,12 @@ def test_every_kernel_compiles_for_hopper():
     # programs (the plan's choice at batch 128) issue them in three places (the ring's first
     # PAIRED_BUFS - 2 tiles, unrolled, and each warpgroup's refill), each warpgroup with its own copy
     # of the loop; unpaired (LATENTSPEED_MLA_DECODE_PAIRED=0), in two (the ring's first tile and the
-    # refill)
+    # refill). Two tokens spill a few words (36 B since the word-wise _zero_tail, 28 B before: the added
+    # word is stored before the tile loop and reloaded after it; two reloads a tile, as before)
     for label in ("decode, 16 heads, e4m3", "decode, 16 heads, e4m3, 2 tokens",
                   "decode, 16 heads, e4m3, extend prefix"):
         assert reports[label]["tma_copies"] == 5 * (PAIRED_BUFS - 2 + 2), label
-        assert reports[label]["async_copies"] == 0 and reports[label]["spill_bytes"] <= 32, label
+        assert reports[label]["async_copies"] == 0 and reports[label]["spill_bytes"] <= 36, label
         _assert_partitions_keep_their_barriers(reports[label], label)
     for q_len, label in ((1, "decode, 16 heads, e4m3"), (2, "decode, 16 heads, e4m3, 2 tokens")):
         unpaired, = hopper_compile("decode", "--heads", "16", "--cache", "e4m3", "--q-len", str(q_len),
