@@ -6,8 +6,9 @@ DeepSeek-V3's linear shapes (N, K) at M = 1 ... 4096, one process, same weights 
 E4M3 weights with 128 x 128 block scales, activations quantized per 1 x 128 group by each
 provider's own quantizer in the layout its GEMM reads (quantization is outside the timed region;
 latentspeed's quantizer is timed on its own). CUDA-event medians (``triton.testing.do_bench``,
-L2 flushed). FLOPs = 2·M·N·K. Every output is checked against the fp32 product of the
-dequantized operands.
+L2 flushed); with ``--cuda-graph`` each provider's call is one CUDA-graph replay, as engines run
+decode, so the host's launch cost drops out. FLOPs = 2·M·N·K. Every output is checked against the
+fp32 product of the dequantized operands.
 
     python benchmarks/fp8_gemm.py --out benchmarks/results/fp8_gemm.json [--providers latentspeed SGLang-Triton ...]
 
@@ -26,6 +27,7 @@ import sys  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from benchmarks.timing import in_cuda_graph  # noqa: E402
 from common_kernels.fp8 import block_scaled_gemm, quantize_per_token_group  # noqa: E402
 from common_kernels.fp8.gemm import gemm_config  # noqa: E402
 from common_kernels.fp8.reference import dequantize_weight_blocks_ref, quantize_weight_blocks_ref  # noqa: E402
@@ -123,6 +125,7 @@ def main():
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 128, 512, 4096])
     parser.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(PROVIDERS),
                         help="each engine's kernels need that engine on the path (vLLM and SGLang: one run each)")
+    parser.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays of each call")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     rows = []
@@ -139,12 +142,14 @@ def main():
                     fn = make(x, w, ws)
                     if fn is None:
                         continue
+                    fn = in_cuda_graph(fn) if args.cuda_graph else fn
                     err = ((fn().float() - ref).norm() / ref.norm()).item()
                     us = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
                 except Exception as exc:  # a kernel refusing a shape, or missing on this card
                     print(f"{name} m{m} n{n} k{k}: unavailable ({type(exc).__name__}: {str(exc)[:160]})", file=sys.stderr)
                     continue
-                row = dict(provider=name, m=m, n=n, k=k, us=us, tflop_s=2 * m * n * k / us / 1e6, rel_err=err)
+                row = dict(provider=name, m=m, n=n, k=k, cuda_graph=args.cuda_graph, us=us,
+                           tflop_s=2 * m * n * k / us / 1e6, rel_err=err)
                 if name == "latentspeed":
                     row.update(quant_us=quant_us, config=gemm_config(m, n, k, x.device))
                 if name in ("latentspeed-sm90", "latentspeed-sm90-ws"):

@@ -5,16 +5,21 @@ page 64, bf16 and fp8 caches. Every provider reads the same cache and block tabl
 scattered at random) in one process; times are CUDA-event medians (``triton.testing.do_bench``,
 which flushes L2 between runs) after warm-up. Bytes are the cache rows read once plus queries
 and outputs; FLOPs are ``2 * T * H * seq_len * (D_latent + D_rope + D_latent)``.
+Each row's ``rel_err_first_requests`` checks that provider's output, read after its timed calls,
+against the fp32 reference on the first four requests.
 
     python -m benchmarks.mla_decode --out benchmarks/results/mla_decode.json
 
 ``latentspeed-triton`` is latentspeed without its Gluon kernels for sm_90, as it runs on other
 GPUs. TRITON_MLA has no multi-token decode in
 vLLM; for 2 query tokens it runs the equivalent 2 * B single-token rows (shown as such).
-FLASH_ATTN_MLA has no fp8 path.
+FLASH_ATTN_MLA has no fp8 path. Under ``--cuda-graph`` its graph also recomputes FA3's scheduler
+metadata (a small kernel; vLLM runs it before every step); its rows give that kernel's time alone
+as ``metadata_us``.
 """
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -100,7 +105,12 @@ def flashmla(q, cache, block_table, seq_lens, q_len, kv_scale):
     return run_fp8
 
 
-def flash_attn_mla(q, cache, block_table, seq_lens, q_len, kv_scale):
+def flash_attn_mla(q, cache, block_table, seq_lens, q_len, kv_scale, metadata_per_call=False):
+    """vLLM's FA3 MLA decode. ``metadata_per_call``: recompute the scheduler metadata on every call,
+    as vLLM's builder does before each step. A CUDA graph needs it: with the metadata computed once,
+    replays after the first fail with an illegal address (the buffer holds the persistent
+    scheduler's tile counter); recomputed in the graph, they run
+    (``benchmarks/results/mla_decode-16-heads-2026-12-04.md``)."""
     if cache.dtype != torch.bfloat16:
         return None
     from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
@@ -110,19 +120,25 @@ def flash_attn_mla(q, cache, block_table, seq_lens, q_len, kv_scale):
     max_k = int(seq_lens.max())
     kv_c, k_pe = cache[..., :D_LATENT].unsqueeze(-2), cache[..., D_LATENT:].unsqueeze(-2)
     q_nope, q_pe = q[..., :D_LATENT], q[..., D_LATENT:]
-    sched = get_scheduler_metadata(
-        batch_size=batch, max_seqlen_q=q_len, max_seqlen_k=max_k, num_heads_q=heads, num_heads_kv=1, headdim=D_ROPE,
-        cache_seqlens=seq_lens, qkv_dtype=cache.dtype, headdim_v=D_LATENT, page_size=PAGE, cu_seqlens_q=cu_q,
-        causal=True,
-    )
+
+    def metadata():
+        return get_scheduler_metadata(
+            batch_size=batch, max_seqlen_q=q_len, max_seqlen_k=max_k, num_heads_q=heads, num_heads_kv=1,
+            headdim=D_ROPE, cache_seqlens=seq_lens, qkv_dtype=cache.dtype, headdim_v=D_LATENT, page_size=PAGE,
+            cu_seqlens_q=cu_q, causal=True,
+        )
+
+    fixed = None if metadata_per_call else metadata()
 
     def run():
+        sched = metadata() if metadata_per_call else fixed
         return flash_attn_varlen_func(
             q=q_pe, k=k_pe, v=kv_c, q_v=q_nope, max_seqlen_q=q_len, cu_seqlens_q=cu_q, max_seqlen_k=max_k,
             seqused_k=seq_lens, block_table=block_table, softmax_scale=SCALE, causal=True, fa_version=3,
             scheduler_metadata=sched,
         )
 
+    run.metadata = metadata  # timed alone beside the rows that include it
     return run
 
 
@@ -167,6 +183,17 @@ def check_against_reference(cache_dtype, heads, q_len, kv_scale):
     return ((got.float() - ref).norm() / ref.norm()).item()
 
 
+def rel_err_first_requests(out, q, cache, block_table, seq_lens, q_len, kv_scale, requests=4):
+    """A provider's output for the first ``requests`` requests (read after its timed calls, so a
+    replay that went wrong shows) against the fp32 reference."""
+    n = min(requests, block_table.shape[0])
+    rows = n * q_len
+    ref, _ = mla_decode_ref(q[:rows, :, :D_LATENT], q[:rows, :, D_LATENT:], cache, block_table[:n], seq_lens[:n],
+                            SCALE, kv_scale)
+    got = out.float().reshape(q.shape[0], q.shape[1], D_LATENT)[:rows]
+    return ((got - ref).norm() / ref.norm()).item()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=128)
@@ -194,10 +221,16 @@ def main():
                     outs = {}
                     for name in args.providers:
                         make = PROVIDERS[name]
+                        if args.cuda_graph and name == "FLASH_ATTN_MLA":
+                            make = functools.partial(flash_attn_mla, metadata_per_call=True)
                         try:
                             fn = make(q, cache, table, lens, q_len, kv_scale)
                             if fn is None:
                                 continue
+                            metadata_us = None
+                            if args.cuda_graph and name == "FLASH_ATTN_MLA":
+                                metadata_us = 1e3 * triton.testing.do_bench(
+                                    in_cuda_graph(fn.metadata), warmup=25, rep=200, return_mode="median")
                             fn = in_cuda_graph(fn) if args.cuda_graph else fn
                             outs[name] = fn().float().reshape(q.shape[0], heads, D_LATENT).clone()
                         except Exception as err:  # an engine kernel missing or refusing this shape
@@ -205,11 +238,13 @@ def main():
                                   f"({type(err).__name__}: {str(err)[:200]})", file=sys.stderr)
                             continue
                         ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+                        rel_err_after = rel_err_first_requests(fn(), q, cache, table, lens, q_len, kv_scale)
                         elem = cache.element_size()
                         nbytes = args.batch * ctx * (D_LATENT + D_ROPE) * elem + q.numel() * 2 * 2
                         flops = 2 * q.shape[0] * heads * ctx * (D_LATENT + D_ROPE + D_LATENT)
                         row = dict(batch=args.batch, cache=cache_name, heads=heads, q_len=q_len, ctx=ctx, provider=name,
                                    cuda_graph=args.cuda_graph, us=ms * 1e3,
+                                   metadata_us=metadata_us, rel_err_first_requests=rel_err_after,
                                    tb_s=nbytes / ms / 1e9, tflop_s=flops / ms / 1e9)
                         if name == "FLASHMLA":
                             baseline = row["us"]
