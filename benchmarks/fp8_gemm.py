@@ -122,6 +122,7 @@ PROVIDERS = {"latentspeed": ours, "latentspeed-sm90": ours_sm90, "latentspeed-sm
 
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="+", default=[f"{n},{k}" for n, k in SHAPES], metavar="N,K")
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 128, 512, 4096])
     parser.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(PROVIDERS),
                         help="each engine's kernels need that engine on the path (vLLM and SGLang: one run each)")
@@ -129,7 +130,7 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     rows = []
-    for n, k in SHAPES:
+    for n, k in (map(int, shape.split(",")) for shape in args.shapes):
         w, ws = quantize_weight_blocks_ref(torch.randn(n, k, device="cuda") / k**0.5)
         w_deq = dequantize_weight_blocks_ref(w, ws)
         for m in args.m:
