@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke kernels ncu bench bench-small paired-check tune-gemm tune-moe fp8-bench moe-bench producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke clocks kernels ncu bench bench-small paired-check tune-gemm tune-moe fp8-bench fp8-bench-graph moe-bench producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
 #                                         bundle on PYTHONPATH), fp8-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8 sglang-e2e-w8-fused
 #                                         sglang-ct-e2e sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         refmodel (train the reference model; no engine needed),
@@ -43,13 +43,21 @@ for step in "$@"; do
       python3 benchmarks/mla_decode.py --out "$out/mla_decode.json" 2>&1 | tee "$out/bench.log" | tail -n 80 ;;
     bench-small)  # issue #6's small batches (1 and 8, context 512-4k), as CUDA-graph replays; one process per
       # provider, and FLASHMLA in bf16 only: its fp8 kernel aborts the process at these batch sizes
-      # (actual_num_splits <= kMaxSplits, results/mla_decode-splits-2026-12-01.md)
+      # (actual_num_splits <= kMaxSplits, results/mla_decode-splits-2026-12-01.md); FLASH_ATTN_MLA one process
+      # per context: at batch 1 its 2048-token replays end in an illegal address (mla_decode-small-batch-2026-12-04.md)
       for batch in 1 8; do for provider in latentspeed FLASHMLA FLASH_ATTN_MLA TRITON_MLA; do
         caches="bf16 e4m3"; [ $provider = FLASHMLA ] && caches=bf16
-        python3 benchmarks/mla_decode.py --cuda-graph --batch $batch --providers $provider --heads 16 128 --q-len 1 \
-          --ctx 512 1024 2048 4096 --cache $caches --out "$out/mla_decode_batch${batch}_$provider.json" 2>&1 \
-          | tee -a "$out/bench-small.log" | grep -E '^\{|Error' | tail -n 20
+        runs=512,1024,2048,4096; [ $provider = FLASH_ATTN_MLA ] && runs="512 1024 2048 4096"
+        for run in $runs; do
+          python3 benchmarks/mla_decode.py --cuda-graph --batch $batch --providers $provider --heads 16 128 --q-len 1 \
+            --ctx ${run//,/ } --cache $caches --out "$out/mla_decode_batch${batch}_${provider}_${run//,/_}.json" 2>&1 \
+            | tee -a "$out/bench-small.log" | grep -E '^\{|Error' | tail -n 20
+        done
       done; done ;;
+    clocks)  # SM clock, power and throttle reasons every 500 ms, in the background until the call ends: the power
+      # cap (0x4) slows the issue-bound fp8 decode and not bf16 (results/mla_decode-16-heads-2026-12-04.md)
+      (nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv -lms 500 > "$out/clocks.csv" 2>&1 &) ;;
     paired-check)  # the narrow kernel's paired programs (on by default where splits read 256 tokens or more):
       # the 16-head fp8 decode tests three times (the first paired build raced in its PTX), then A/Bs
       # from the working tree: batch 128 against never pairing, batches 1 and 8
@@ -77,6 +85,10 @@ for step in "$@"; do
       python3 benchmarks/fp8_gemm.py --providers latentspeed latentspeed-sm90 latentspeed-sm90-ws vLLM-Triton \
         vLLM-CUTLASS vLLM-DeepGEMM cuBLAS-bf16 \
         --out "$out/fp8_gemm.json" 2>&1 | tee "$out/fp8-bench.log" | tail -n 40 ;;
+    fp8-bench-graph)  # the same providers as CUDA-graph replays at decode sizes; SHAPES="N,K ..." picks shapes
+      python3 benchmarks/fp8_gemm.py --cuda-graph --m 1 16 64 128 256 512 ${SHAPES:+--shapes $SHAPES} \
+        --providers latentspeed vLLM-Triton vLLM-CUTLASS vLLM-DeepGEMM cuBLAS-bf16 \
+        --out "$out/fp8_gemm_graph.json" 2>&1 | tee "$out/fp8-bench-graph.log" | grep -E '^\{|Error' | tail -n 40 ;;
     fp8-bench-sglang)
       python3 benchmarks/fp8_gemm.py --providers latentspeed SGLang-Triton SGLang-CUTLASS cuBLAS-bf16 \
         --out "$out/fp8_gemm_sglang.json" 2>&1 | tee "$out/fp8-bench-sglang.log" | tail -n 40 ;;
