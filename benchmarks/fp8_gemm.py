@@ -35,6 +35,12 @@ from common_kernels.fp8.reference import dequantize_weight_blocks_ref, quantize_
 SHAPES = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
 
 
+def shape_arg(text: str) -> tuple[int, int]:
+    """An ``N,K`` shape from the command line."""
+    n, k = map(int, text.split(","))
+    return n, k
+
+
 def ours(x, w, ws, config=None):
     a, a_s = quantize_per_token_group(x)
     return lambda: block_scaled_gemm(a, a_s, w, ws, config=config)
@@ -122,7 +128,7 @@ PROVIDERS = {"latentspeed": ours, "latentspeed-sm90": ours_sm90, "latentspeed-sm
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", nargs="+", default=[f"{n},{k}" for n, k in SHAPES], metavar="N,K")
+    parser.add_argument("--shapes", nargs="+", type=shape_arg, default=SHAPES, metavar="N,K")
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 128, 512, 4096])
     parser.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(PROVIDERS),
                         help="each engine's kernels need that engine on the path (vLLM and SGLang: one run each)")
@@ -130,7 +136,7 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     rows = []
-    for n, k in (map(int, shape.split(",")) for shape in args.shapes):
+    for n, k in args.shapes:
         w, ws = quantize_weight_blocks_ref(torch.randn(n, k, device="cuda") / k**0.5)
         w_deq = dequantize_weight_blocks_ref(w, ws)
         for m in args.m:

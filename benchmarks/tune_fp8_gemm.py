@@ -22,7 +22,7 @@ import time
 import torch
 import triton
 
-from benchmarks.fp8_gemm import SHAPES
+from benchmarks.fp8_gemm import SHAPES, shape_arg
 from benchmarks.timing import in_cuda_graph
 from benchmarks.tuned_tables import write_tuned_table
 from common_kernels.fp8 import block_scaled_gemm, gemm_sm90, gemm_sm90_ws, quantize_per_token_group
@@ -80,18 +80,17 @@ def tune_one(m: int, n: int, k: int, w, ws, sms: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=[f"{n},{k}" for n, k in SHAPES], metavar="N,K")
+    parser.add_argument("--shapes", nargs="+", type=shape_arg, default=SHAPES, metavar="N,K")
     parser.add_argument("--m", type=int, nargs="+", default=M_VALUES)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     table, started = {}, time.perf_counter()
-    for shape in args.shapes:
-        n, k = map(int, shape.split(","))
+    for n, k in args.shapes:
         w, ws = quantize_weight_blocks_ref(torch.randn(n, k, device="cuda") / k**0.5)
         for m in args.m:
             entry = tune_one(m, n, k, w, ws, props.multi_processor_count)
-            table.setdefault(shape, {})[str(m)] = entry
+            table.setdefault(f"{n},{k}", {})[str(m)] = entry
             print(f"n={n} k={k} m={m}: {entry}", flush=True)
         write_tuned_table(args.out, table, started)
 
