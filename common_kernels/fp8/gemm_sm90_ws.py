@@ -14,10 +14,9 @@ thread. This one has DeepGEMM's structure:
 - a 128 x ``BLOCK_N`` tile a program; one producer warp copies each K block of A (128 rows) and B
   (``BLOCK_N`` rows) by TMA into a ring of ``NUM_STAGES`` slots (the copy engine zero-fills rows
   and K columns past the matrix);
-- two consumer warpgroups, 64 rows each, wait for a slot, run its wgmma, wait for it, hand the
-  slot back and fold the partial into their accumulator with the K block's scales. Each waits for
-  its own wgmma, but its fold can run while the other warpgroup's wgmma holds the tensor cores
-  (not when the two run in step);
+- two consumer warpgroups, 64 rows each, with two K blocks' wgmma in flight in two register sets
+  (``gemm_sm90``'s pairing): each waits for the older one, hands its slot back and folds its
+  partial into the accumulator with the K block's scales while the newer one runs;
 - registers moved to the consumers (``setmaxnreg``): ``CONSUMER_REGS`` each, ``PRODUCER_REGS`` for
   the copy warp.
 
@@ -28,8 +27,9 @@ having completed the phase before its first.
 
 Operands need 16-byte aligned rows (TMA): ``K % 16 == 0``. Compiled for sm_90a
 (``benchmarks/hopper_compile.py``): 168 registers a thread at launch, no spills, wgmma not
-serialized; 192 KiB of shared memory at 128 x 128 with six stages. On the H200: 890-933 TFLOP/s at
-M = 4096 at (N, K) = (7168, 16384) and (4096, 7168) (``benchmarks/results/fp8-gemm-ws-2026-12-04.md``).
+serialized; 192 KiB of shared memory at 128 x 128 with six stages. On the H200, M = 4096, as CUDA-graph
+replays: 1024-1143 TFLOP/s at (N, K) = (7168, 16384) and (4096, 7168); the two K blocks in flight made
+128 x 128 tiles 1.02-1.20x faster than waiting for each (``benchmarks/results/fp8-gemm-ws-pipelined-2026-12-04.md``).
 """
 
 import functools
@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gemm_sm90 import grouped_tile
+from .gemm_sm90 import _fold, _row_scale, grouped_tile
 
 BLOCK_M = gl.constexpr(128)  # two consumer warpgroups of 64 rows
 BLOCK_K = gl.constexpr(128)  # one scale block
@@ -91,10 +91,29 @@ def _producer(a_desc, b_desc, a_ring, b_ring, ready, empty, off_m, off_n, k_bloc
 
 
 @gluon.jit
+def _issue(a_ring, b_ring, ready, kb, partial, WG: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Once K block ``kb`` has landed, start its wgmma over this warpgroup's 64 rows into ``partial``
+    (overwritten)."""
+    slot = kb % NUM_STAGES
+    mbarrier.wait(ready.index(slot), kb // NUM_STAGES & 1)
+    return warpgroup_mma(a_ring.index(slot).slice(WG * 64, 64, dim=0), b_ring.index(slot).permute([1, 0]),
+                         partial, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _hand_back(empty, kb, NUM_STAGES: gl.constexpr):
+    """K block ``kb``'s wgmma is done in this warpgroup's four warps: its slot is free for the producer."""
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(kb % NUM_STAGES), count=1)
+
+
+@gluon.jit
 def _consumer(a_ring, b_ring, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, stride_cm, stride_asm, stride_bsn,
               off_m, off_n, k_blocks, WG: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """Rows ``off_m + 64 WG ..`` of the tile: every K block's wgmma, folded with its scales, then
-    stored."""
+    stored. Two partials in flight, as in ``gemm_sm90`` (K blocks in pairs, each register set's next
+    wgmma writing over its folded partial, the folds volatile): a K block's fold runs under the next
+    one's wgmma."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     rows = off_m + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
     cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
@@ -102,17 +121,28 @@ def _consumer(a_ring, b_ring, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, 
     a_scales = a_scale_ptr + rows.to(gl.int64) * stride_asm
     b_scale = b_scale_ptr + (off_n // BLOCK_K).to(gl.int64) * stride_bsn
     acc = gl.zeros([64, BLOCK_N], gl.float32, layout=mma)
-    partial = gl.zeros([64, BLOCK_N], gl.float32, layout=mma)
-    for kb in range(k_blocks):
-        slot = kb % NUM_STAGES
-        scale = gl.load(a_scales + kb, mask=mask_rows, other=0.0) * gl.load(b_scale + kb)  # under the wait
-        mbarrier.wait(ready.index(slot), kb // NUM_STAGES & 1)
-        partial = warpgroup_mma(a_ring.index(slot).slice(WG * 64, 64, dim=0), b_ring.index(slot).permute([1, 0]),
-                                partial, use_acc=False, is_async=True)
-        partial = warpgroup_mma_wait(num_outstanding=0, deps=[partial])
-        gl.thread_barrier()  # this warpgroup's four warps are past the wgmma: the slot is free
-        mbarrier.arrive(empty.index(slot), count=1)
-        acc += partial * scale[:, None]
+    odd_done = gl.zeros([64, BLOCK_N], gl.float32, layout=mma)
+    even = _issue(a_ring, b_ring, ready, 0, gl.zeros([64, BLOCK_N], gl.float32, layout=mma), WG, NUM_STAGES)
+    scale = _row_scale(a_scales, b_scale, 0, mask_rows)
+    for pair in range((k_blocks - 1) // 2):
+        kb = 2 * pair + 1
+        odd = _issue(a_ring, b_ring, ready, kb, odd_done, WG, NUM_STAGES)
+        even_done = warpgroup_mma_wait(num_outstanding=1, deps=[even])
+        _hand_back(empty, kb - 1, NUM_STAGES)
+        acc = _fold(acc, even_done, scale)
+        scale = _row_scale(a_scales, b_scale, kb, mask_rows)  # while the wgmma of kb runs
+        even = _issue(a_ring, b_ring, ready, kb + 1, even_done, WG, NUM_STAGES)
+        odd_done = warpgroup_mma_wait(num_outstanding=1, deps=[odd])
+        _hand_back(empty, kb, NUM_STAGES)
+        acc = _fold(acc, odd_done, scale)
+        scale = _row_scale(a_scales, b_scale, kb + 1, mask_rows)
+    if k_blocks % 2 == 0:  # one K block left
+        odd = _issue(a_ring, b_ring, ready, k_blocks - 1, odd_done, WG, NUM_STAGES)
+        acc = _fold(acc, warpgroup_mma_wait(num_outstanding=1, deps=[even]), scale)
+        scale = _row_scale(a_scales, b_scale, k_blocks - 1, mask_rows)
+        acc = _fold(acc, warpgroup_mma_wait(num_outstanding=0, deps=[odd]), scale)
+    else:
+        acc = _fold(acc, warpgroup_mma_wait(num_outstanding=0, deps=[even]), scale)
     c = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
     gl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_rows[:, None] & (cols < N)[None, :])
 
