@@ -205,14 +205,14 @@ def _launch_sm90(a, a_scale, b, b_scale, out, config: dict) -> None:
     if any(t.stride(0) % 16 or t.data_ptr() % 16 for t in (a, b)):
         raise ValueError("the sm_90 GEMM kernel copies 16-byte rows: a and b need 16-byte aligned rows "
                          f"(K = {k}, row strides {a.stride(0)} and {b.stride(0)})")
-    grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
     if module is gemm_sm90_ws:
-        gemm_sm90_ws.block_scaled_gemm_kernel_sm90_ws[grid](
+        gemm_sm90_ws.block_scaled_gemm_kernel_sm90_ws[gemm_sm90_ws.grid(m, n, config["BLOCK_N"], a.device)](
             *gemm_sm90_ws.descriptors(a, b, config["BLOCK_N"]), out, a_scale, b_scale, m, n, k, out.stride(0),
             a_scale.stride(0), b_scale.stride(0), BLOCK_N=config["BLOCK_N"], GROUP_M=config["GROUP_M"],
             NUM_STAGES=config["num_stages"], num_warps=config["num_warps"], maxnreg=gemm_sm90_ws.MAXNREG,
         )
         return
+    grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
     gemm_sm90.block_scaled_gemm_kernel_sm90[grid](
         a, b, out, a_scale, b_scale, m, n, k, a.stride(0), b.stride(0), out.stride(0), a_scale.stride(0),
         b_scale.stride(0), BLOCK_K=SCALE_BLOCK, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],

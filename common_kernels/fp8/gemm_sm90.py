@@ -90,10 +90,9 @@ def _row_scale(a_scales, b_scale, kb, mask_rows):
 
 
 @gluon.jit
-def grouped_tile(M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-    """This program's tile ``(pid_m, pid_n)`` of C, tiles ordered in groups of ``GROUP_M`` rows of
-    tiles, as the Triton kernel orders them (neighbouring programs share A rows and B columns in L2)."""
-    pid = gl.program_id(0)
+def grouped_tile(pid, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """Tile ``pid``'s place ``(pid_m, pid_n)`` in C, tiles ordered in groups of ``GROUP_M`` rows of
+    tiles, as the Triton kernel orders them (neighbouring tiles share A rows and B columns in L2)."""
     tiles_n = gl.cdiv(N, BLOCK_N)
     first_m = pid // (GROUP_M * tiles_n) * GROUP_M
     rows_in_group = gl.minimum(gl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
@@ -114,7 +113,7 @@ def block_scaled_gemm_kernel_sm90(
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                   instr_shape=[16, BLOCK_N, 32])
 
-    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n = grouped_tile(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
     offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))

@@ -11,9 +11,10 @@ DeepGEMM reaches 1200-1330 (``benchmarks/notes.md``). ncu put 20 % of the Triton
 samples on the wait for each K block's wgmma, and both kernels copy with ``cp.async``, 16 bytes a
 thread. This one has DeepGEMM's structure:
 
-- a 128 x ``BLOCK_N`` tile a program; one producer warp copies each K block of A (128 rows) and B
-  (``BLOCK_N`` rows) by TMA into a ring of ``NUM_STAGES`` slots (the copy engine zero-fills rows
-  and K columns past the matrix);
+- persistent programs, one a multiprocessor (``grid``), each taking 128 x ``BLOCK_N`` tiles in turn;
+  one producer warp copies each K block of A (128 rows) and B (``BLOCK_N`` rows) by TMA into a
+  ring of ``NUM_STAGES`` slots (the copy engine zero-fills rows and K columns past the matrix),
+  running on into the next tile while the consumers store the last one;
 - two consumer warpgroups, 64 rows each, with two K blocks' wgmma in flight in two register sets
   (``gemm_sm90``'s pairing): each waits for the older one, hands its slot back and folds its
   partial into the accumulator with the K block's scales while the newer one runs;
@@ -34,6 +35,8 @@ replays: 1024-1143 TFLOP/s at (N, K) = (7168, 16384) and (4096, 7168); the two K
 
 import functools
 
+import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -78,73 +81,106 @@ def descriptors(a, b, block_n: int) -> tuple[TensorDescriptor, TensorDescriptor]
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_ring, b_ring, ready, empty, off_m, off_n, k_blocks, NUM_STAGES: gl.constexpr):
-    """Copy K blocks ``0 .. k_blocks - 1`` of the tile's A and B rows into the ring, each slot once
-    both consumers have handed it back."""
+def _producer(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, k_blocks, BLOCK_N: gl.constexpr,
+              GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Copy every K block of this program's tiles' A and B rows into the ring, one tile after the
+    other, each slot once both consumers have handed it back: the next tile's first blocks land
+    while the consumers store the last one."""
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    for kb in range(k_blocks):
-        slot = kb % NUM_STAGES
-        mbarrier.wait(empty.index(slot), (kb // NUM_STAGES & 1) ^ 1)
-        mbarrier.expect(ready.index(slot), nbytes)
-        tma.async_copy_global_to_shared(a_desc, [off_m, kb * BLOCK_K], ready.index(slot), a_ring.index(slot))
-        tma.async_copy_global_to_shared(b_desc, [off_n, kb * BLOCK_K], ready.index(slot), b_ring.index(slot))
+    it = 0  # K blocks copied so far: the ring's position
+    for tile in range(gl.program_id(0), _num_tiles(M, N, BLOCK_N), gl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        for kb in range(k_blocks):
+            slot = it % NUM_STAGES
+            mbarrier.wait(empty.index(slot), (it // NUM_STAGES & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), nbytes)
+            tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kb * BLOCK_K], ready.index(slot),
+                                            a_ring.index(slot))
+            tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, kb * BLOCK_K], ready.index(slot),
+                                            b_ring.index(slot))
+            it += 1
 
 
 @gluon.jit
-def _issue(a_ring, b_ring, ready, kb, partial, WG: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Once K block ``kb`` has landed, start its wgmma over this warpgroup's 64 rows into ``partial``
-    (overwritten)."""
-    slot = kb % NUM_STAGES
-    mbarrier.wait(ready.index(slot), kb // NUM_STAGES & 1)
+def _num_tiles(M, N, BLOCK_N: gl.constexpr):
+    """The tiles of C."""
+    return gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+
+
+@gluon.jit
+def _issue(a_ring, b_ring, ready, it, partial, WG: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Once the ring's K block ``it`` has landed, start its wgmma over this warpgroup's 64 rows into
+    ``partial`` (overwritten)."""
+    slot = it % NUM_STAGES
+    mbarrier.wait(ready.index(slot), it // NUM_STAGES & 1)
     return warpgroup_mma(a_ring.index(slot).slice(WG * 64, 64, dim=0), b_ring.index(slot).permute([1, 0]),
                          partial, use_acc=False, is_async=True)
 
 
 @gluon.jit
-def _hand_back(empty, kb, NUM_STAGES: gl.constexpr):
-    """K block ``kb``'s wgmma is done in this warpgroup's four warps: its slot is free for the producer."""
+def _hand_back(empty, it, NUM_STAGES: gl.constexpr):
+    """The ring's K block ``it`` is done in this warpgroup's four warps: its slot is free for the producer."""
     gl.thread_barrier()
-    mbarrier.arrive(empty.index(kb % NUM_STAGES), count=1)
+    mbarrier.arrive(empty.index(it % NUM_STAGES), count=1)
+
+
+@gluon.jit
+def _tile(a_ring, b_ring, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, stride_cm, stride_asm, stride_bsn,
+          pid_m, pid_n, k_blocks, it, mma: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
+          NUM_STAGES: gl.constexpr):
+    """Rows ``64 WG ..`` of tile ``(pid_m, pid_n)``, whose first K block is the ring's block ``it``:
+    every K block's wgmma, folded with its scales, then stored. Two partials in flight, as in
+    ``gemm_sm90`` (K blocks in pairs, each register set's next wgmma writing over its folded partial,
+    the folds volatile): a K block's fold runs under the next one's wgmma."""
+    rows = pid_m * BLOCK_M + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+    cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    mask_rows = rows < M
+    a_scales = a_scale_ptr + rows.to(gl.int64) * stride_asm
+    b_scale = b_scale_ptr + (pid_n * BLOCK_N // BLOCK_K).to(gl.int64) * stride_bsn
+    acc = gl.zeros([64, BLOCK_N], gl.float32, layout=mma)
+    odd_done = gl.zeros([64, BLOCK_N], gl.float32, layout=mma)
+    even = _issue(a_ring, b_ring, ready, it, gl.zeros([64, BLOCK_N], gl.float32, layout=mma), WG, NUM_STAGES)
+    scale = _row_scale(a_scales, b_scale, 0, mask_rows)
+    for pair in range((k_blocks - 1) // 2):
+        kb = 2 * pair + 1
+        odd = _issue(a_ring, b_ring, ready, it + kb, odd_done, WG, NUM_STAGES)
+        even_done = warpgroup_mma_wait(num_outstanding=1, deps=[even])
+        _hand_back(empty, it + kb - 1, NUM_STAGES)
+        acc = _fold(acc, even_done, scale)
+        scale = _row_scale(a_scales, b_scale, kb, mask_rows)  # while the wgmma of kb runs
+        even = _issue(a_ring, b_ring, ready, it + kb + 1, even_done, WG, NUM_STAGES)
+        odd_done = warpgroup_mma_wait(num_outstanding=1, deps=[odd])
+        _hand_back(empty, it + kb, NUM_STAGES)
+        acc = _fold(acc, odd_done, scale)
+        scale = _row_scale(a_scales, b_scale, kb + 1, mask_rows)
+    if k_blocks % 2 == 0:  # one K block left
+        odd = _issue(a_ring, b_ring, ready, it + k_blocks - 1, odd_done, WG, NUM_STAGES)
+        even_done = warpgroup_mma_wait(num_outstanding=1, deps=[even])
+        _hand_back(empty, it + k_blocks - 2, NUM_STAGES)
+        acc = _fold(acc, even_done, scale)
+        scale = _row_scale(a_scales, b_scale, k_blocks - 1, mask_rows)
+        odd_done = warpgroup_mma_wait(num_outstanding=0, deps=[odd])
+        _hand_back(empty, it + k_blocks - 1, NUM_STAGES)
+        acc = _fold(acc, odd_done, scale)
+    else:
+        even_done = warpgroup_mma_wait(num_outstanding=0, deps=[even])
+        _hand_back(empty, it + k_blocks - 1, NUM_STAGES)
+        acc = _fold(acc, even_done, scale)
+    c = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
+    gl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_rows[:, None] & (cols < N)[None, :])
 
 
 @gluon.jit
 def _consumer(a_ring, b_ring, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, stride_cm, stride_asm, stride_bsn,
-              off_m, off_n, k_blocks, WG: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Rows ``off_m + 64 WG ..`` of the tile: every K block's wgmma, folded with its scales, then
-    stored. Two partials in flight, as in ``gemm_sm90`` (K blocks in pairs, each register set's next
-    wgmma writing over its folded partial, the folds volatile): a K block's fold runs under the next
-    one's wgmma."""
+              k_blocks, WG: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Consumer warpgroup ``WG``: its 64 rows of each of this program's tiles, in the producer's order."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
-    rows = off_m + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
-    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-    mask_rows = rows < M
-    a_scales = a_scale_ptr + rows.to(gl.int64) * stride_asm
-    b_scale = b_scale_ptr + (off_n // BLOCK_K).to(gl.int64) * stride_bsn
-    acc = gl.zeros([64, BLOCK_N], gl.float32, layout=mma)
-    odd_done = gl.zeros([64, BLOCK_N], gl.float32, layout=mma)
-    even = _issue(a_ring, b_ring, ready, 0, gl.zeros([64, BLOCK_N], gl.float32, layout=mma), WG, NUM_STAGES)
-    scale = _row_scale(a_scales, b_scale, 0, mask_rows)
-    for pair in range((k_blocks - 1) // 2):
-        kb = 2 * pair + 1
-        odd = _issue(a_ring, b_ring, ready, kb, odd_done, WG, NUM_STAGES)
-        even_done = warpgroup_mma_wait(num_outstanding=1, deps=[even])
-        _hand_back(empty, kb - 1, NUM_STAGES)
-        acc = _fold(acc, even_done, scale)
-        scale = _row_scale(a_scales, b_scale, kb, mask_rows)  # while the wgmma of kb runs
-        even = _issue(a_ring, b_ring, ready, kb + 1, even_done, WG, NUM_STAGES)
-        odd_done = warpgroup_mma_wait(num_outstanding=1, deps=[odd])
-        _hand_back(empty, kb, NUM_STAGES)
-        acc = _fold(acc, odd_done, scale)
-        scale = _row_scale(a_scales, b_scale, kb + 1, mask_rows)
-    if k_blocks % 2 == 0:  # one K block left
-        odd = _issue(a_ring, b_ring, ready, k_blocks - 1, odd_done, WG, NUM_STAGES)
-        acc = _fold(acc, warpgroup_mma_wait(num_outstanding=1, deps=[even]), scale)
-        scale = _row_scale(a_scales, b_scale, k_blocks - 1, mask_rows)
-        acc = _fold(acc, warpgroup_mma_wait(num_outstanding=0, deps=[odd]), scale)
-    else:
-        acc = _fold(acc, warpgroup_mma_wait(num_outstanding=0, deps=[even]), scale)
-    c = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
-    gl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_rows[:, None] & (cols < N)[None, :])
+    it = 0
+    for tile in range(gl.program_id(0), _num_tiles(M, N, BLOCK_N), gl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        _tile(a_ring, b_ring, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, stride_cm, stride_asm, stride_bsn,
+              pid_m, pid_n, k_blocks, it, mma, WG, BLOCK_N, NUM_STAGES)
+        it += k_blocks
 
 
 @gluon.jit
@@ -153,13 +189,11 @@ def block_scaled_gemm_kernel_sm90_ws(
     M, N, K, stride_cm, stride_asm, stride_bsn,
     BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
 ):
-    """One ``128 x BLOCK_N`` tile of C over all K blocks (``gemm_sm90.grouped_tile``). ``a_desc``:
-    boxes of ``[128, 128]`` over A ``[M, K]``; ``b_desc``: ``[BLOCK_N, 128]`` over B ``[N, K]``, both
-    128-byte swizzled (``descriptors``)."""
+    """Persistent: program ``p`` of ``P`` takes the ``128 x BLOCK_N`` tiles ``p, p + P, ...`` of C
+    (``grid``; ordered by ``gemm_sm90.grouped_tile``), each over all K blocks, through one ring.
+    ``a_desc``: boxes of ``[128, 128]`` over A ``[M, K]``; ``b_desc``: ``[BLOCK_N, 128]`` over B
+    ``[N, K]``, both 128-byte swizzled (``descriptors``)."""
     gl.static_assert(gl.num_warps() == NUM_WARPS and BLOCK_N <= BLOCK_K and NUM_STAGES >= 2)
-    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
     k_blocks = gl.cdiv(K, BLOCK_K)
 
     a_ring = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
@@ -173,8 +207,19 @@ def block_scaled_gemm_kernel_sm90_ws(
 
     gl.warp_specialize([
         (_consumer, (a_ring, b_ring, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, stride_cm, stride_asm,
-                     stride_bsn, off_m, off_n, k_blocks, 0, BLOCK_N, NUM_STAGES)),
+                     stride_bsn, k_blocks, 0, BLOCK_N, GROUP_M, NUM_STAGES)),
         (_consumer, (a_ring, b_ring, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, stride_cm, stride_asm,
-                     stride_bsn, off_m, off_n, k_blocks, 1, BLOCK_N, NUM_STAGES)),
-        (_producer, (a_desc, b_desc, a_ring, b_ring, ready, empty, off_m, off_n, k_blocks, NUM_STAGES)),
+                     stride_bsn, k_blocks, 1, BLOCK_N, GROUP_M, NUM_STAGES)),
+        (_producer, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, k_blocks, BLOCK_N, GROUP_M, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def grid(m: int, n: int, block_n: int, device: torch.device) -> tuple[int]:
+    """One program a multiprocessor, or a program a tile where there are fewer tiles."""
+    return (min(triton.cdiv(m, BLOCK_M.value) * triton.cdiv(n, block_n), _num_sms(device.index)),)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    """The GPU's multiprocessors (asked once: a device query costs host time every launch)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
