@@ -29,8 +29,10 @@ having completed the phase before its first.
 Operands need 16-byte aligned rows (TMA): ``K % 16 == 0``. Compiled for sm_90a
 (``benchmarks/hopper_compile.py``): 168 registers a thread at launch, no spills, wgmma not
 serialized; 192 KiB of shared memory at 128 x 128 with six stages. On the H200, M = 4096, as CUDA-graph
-replays: 1024-1143 TFLOP/s at (N, K) = (7168, 16384) and (4096, 7168); the two K blocks in flight made
-128 x 128 tiles 1.02-1.20x faster than waiting for each (``benchmarks/results/fp8-gemm-ws-pipelined-2026-12-04.md``).
+replays: 1083-1190 TFLOP/s at (N, K) = (7168, 16384) and (4096, 7168). The two K blocks in flight made
+128 x 128 tiles 1.02-1.20x faster than waiting for each (``benchmarks/results/fp8-gemm-ws-pipelined-2026-12-04.md``);
+persistence 1.32-1.62x at K = 512, 1.02-1.21x at K = 1536-2048, 1.00-1.06x at K >= 7168
+(``benchmarks/results/fp8-gemm-ws-persistent-2026-12-04.md``).
 """
 
 import functools
