@@ -228,14 +228,18 @@ def every_kernel_report() -> dict[str, HopperReport]:
                                                           b_scale_ptr=f32),
             dict(BLOCK_K=128, BLOCK_M=128, BLOCK_N=bn, GROUP_M=8, NUM_STAGES=4), 8, 1,
             unaligned=("M", "stride_asm", "stride_bsn"))
-    for bn in gemm_sm90_ws.BLOCK_NS:  # the warp-specialized Gluon GEMM, at DeepSeek-V3's 2048 x 7168
+    # the warp-specialized Gluon GEMM, at DeepSeek-V3's 2048 x 7168: C by bulk stores (16-byte aligned rows),
+    # and from registers (any other C)
+    for bn, c_tma in ((128, True), (64, True), (128, False)):
         a, b = torch.empty(4096, 7168, dtype=fp8), torch.empty(2048, 7168, dtype=fp8)
         a_desc, b_desc = gemm_sm90_ws.descriptors(a, b, bn)
-        reports[f"gemm sm90 ws 128x{bn}"] = compile_for_hopper(
+        c_desc = gemm_sm90_ws.out_descriptor(torch.empty(4096, 2048, dtype=bf16), bn)
+        reports[f"gemm sm90 ws 128x{bn}" + ("" if c_tma else ", C from registers")] = compile_for_hopper(
             gemm_sm90_ws.block_scaled_gemm_kernel_sm90_ws, dict(c_ptr=bf16, a_scale_ptr=f32, b_scale_ptr=f32),
-            dict(BLOCK_N=bn, GROUP_M=8, NUM_STAGES=6), gemm_sm90_ws.NUM_WARPS.value, 1,
+            dict(BLOCK_N=bn, GROUP_M=8, NUM_STAGES=6, C_TMA=c_tma), gemm_sm90_ws.NUM_WARPS.value, 1,
             unaligned=("M", "stride_asm", "stride_bsn"), maxnreg=gemm_sm90_ws.MAXNREG,
-            typed=dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc)))
+            typed=dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc))
+            | (dict(c_desc=mangle_type(c_desc)) if c_tma else {}))
     reports["gemm split-k sum"] = compile_for_hopper(
         gemm._split_k_sum_kernel, dict(partial_ptr=f32, c_ptr=bf16), dict(SPLIT_K=4, BLOCK=1024), 4, 3,
         unaligned=("M",))

@@ -206,10 +206,12 @@ def _launch_sm90(a, a_scale, b, b_scale, out, config: dict) -> None:
         raise ValueError("the sm_90 GEMM kernel copies 16-byte rows: a and b need 16-byte aligned rows "
                          f"(K = {k}, row strides {a.stride(0)} and {b.stride(0)})")
     if module is gemm_sm90_ws:
+        c_desc = gemm_sm90_ws.out_descriptor(out, config["BLOCK_N"])
         gemm_sm90_ws.block_scaled_gemm_kernel_sm90_ws[gemm_sm90_ws.grid(m, n, config["BLOCK_N"], a.device)](
             *gemm_sm90_ws.descriptors(a, b, config["BLOCK_N"]), out, a_scale, b_scale, m, n, k, out.stride(0),
             a_scale.stride(0), b_scale.stride(0), BLOCK_N=config["BLOCK_N"], GROUP_M=config["GROUP_M"],
-            NUM_STAGES=config["num_stages"], num_warps=config["num_warps"], maxnreg=gemm_sm90_ws.MAXNREG,
+            NUM_STAGES=config["num_stages"], c_desc=c_desc, C_TMA=c_desc is not None, num_warps=config["num_warps"],
+            maxnreg=gemm_sm90_ws.MAXNREG,
         )
         return
     grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)

@@ -18,6 +18,9 @@ thread. This one has DeepGEMM's structure:
 - two consumer warpgroups, 64 rows each, with two K blocks' wgmma in flight in two register sets
   (``gemm_sm90``'s pairing): each waits for the older one, hands its slot back and folds its
   partial into the accumulator with the K block's scales while the newer one runs;
+- each consumer writes its 64 rows of C as bf16/fp16 into a shared buffer of its own and sends them
+  by a bulk tensor store (TMA), waited for only before the buffer's next use, so that its next tile
+  starts at once; where C's rows are not 16-byte aligned (``out_descriptor``), stores from registers;
 - registers moved to the consumers (``setmaxnreg``): ``CONSUMER_REGS`` each, ``PRODUCER_REGS`` for
   the copy warp.
 
@@ -28,11 +31,13 @@ having completed the phase before its first.
 
 Operands need 16-byte aligned rows (TMA): ``K % 16 == 0``. Compiled for sm_90a
 (``benchmarks/hopper_compile.py``): 168 registers a thread at launch, no spills, wgmma not
-serialized; 192 KiB of shared memory at 128 x 128 with six stages. On the H200, M = 4096, as CUDA-graph
-replays: 1083-1190 TFLOP/s at (N, K) = (7168, 16384) and (4096, 7168). The two K blocks in flight made
-128 x 128 tiles 1.02-1.20x faster than waiting for each (``benchmarks/results/fp8-gemm-ws-pipelined-2026-12-04.md``);
-persistence 1.32-1.62x at K = 512, 1.02-1.21x at K = 1536-2048, 1.00-1.06x at K >= 7168
-(``benchmarks/results/fp8-gemm-ws-persistent-2026-12-04.md``).
+serialized; 224 KiB of shared memory at 128 x 128 with six stages and bulk stores (192 without). On the
+H200, M = 4096, as CUDA-graph replays in the tuner: 1187-1224 TFLOP/s at (N, K) = (7168, 16384) and
+(4096, 7168). Against waiting for each K block, the two in flight made 128 x 128 tiles 1.02-1.20x faster
+(``benchmarks/results/fp8-gemm-ws-pipelined-2026-12-04.md``); then persistence 1.32-1.62x at K = 512,
+1.02-1.21x at K = 1536-2048, 1.00-1.06x at K >= 7168 (``fp8-gemm-ws-persistent-2026-12-04.md``); then the
+bulk stores 1.57-1.99x at K = 512, 1.18-1.40x at K = 1536-2048, 0.99-1.13x at K >= 7168
+(``fp8-gemm-ws-tma-store-2026-12-04.md``).
 """
 
 import functools
@@ -82,6 +87,21 @@ def descriptors(a, b, block_n: int) -> tuple[TensorDescriptor, TensorDescriptor]
     return box(a, BLOCK_M.value), box(b, block_n)
 
 
+@functools.cache
+def _out_layout(block_n: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared layout of a consumer's ``[64, block_n]`` box of C."""
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([64, block_n], gl_dtype)
+
+
+def out_descriptor(out, block_n: int) -> TensorDescriptor | None:
+    """A TMA descriptor of C ``[M, N]`` in the consumers' ``[64, block_n]`` boxes, or ``None`` where C's
+    rows are not 16-byte aligned (the kernel then stores from registers)."""
+    if out.stride(1) != 1 or (out.stride(0) * out.element_size()) % 16 or out.data_ptr() % 16:
+        return None
+    return TensorDescriptor.from_tensor(out, [64, block_n], _out_layout(block_n, out.dtype))
+
+
 @gluon.jit
 def _producer(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, k_blocks, BLOCK_N: gl.constexpr,
               GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
@@ -127,9 +147,9 @@ def _hand_back(empty, it, NUM_STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _tile(a_ring, b_ring, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, stride_cm, stride_asm, stride_bsn,
-          pid_m, pid_n, k_blocks, it, mma: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
-          NUM_STAGES: gl.constexpr):
+def _tile(a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, stride_asm, stride_bsn, pid_m, pid_n,
+          k_blocks, it, mma: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+          C_TMA: gl.constexpr):
     """Rows ``64 WG ..`` of tile ``(pid_m, pid_n)``, whose first K block is the ring's block ``it``:
     every K block's wgmma, folded with its scales, then stored. Two partials in flight, as in
     ``gemm_sm90`` (K blocks in pairs, each register set's next wgmma writing over its folded partial,
@@ -168,28 +188,43 @@ def _tile(a_ring, b_ring, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, s
         even_done = warpgroup_mma_wait(num_outstanding=0, deps=[even])
         _hand_back(empty, it + k_blocks - 1, NUM_STAGES)
         acc = _fold(acc, even_done, scale)
-    c = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
-    gl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_rows[:, None] & (cols < N)[None, :])
+    if C_TMA:  # through this warpgroup's shared buffer, once the bulk store of its last tile has read it
+        c_desc, c_bufs = c_out
+        c_buf = c_bufs.index(WG)
+        tma.store_wait(0)
+        gl.thread_barrier()
+        c_buf.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M + WG * 64, pid_n * BLOCK_N], c_buf)
+    else:
+        c_ptr, stride_cm = c_out
+        c = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
+        gl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_rows[:, None] & (cols < N)[None, :])
 
 
 @gluon.jit
-def _consumer(a_ring, b_ring, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, stride_cm, stride_asm, stride_bsn,
-              k_blocks, WG: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Consumer warpgroup ``WG``: its 64 rows of each of this program's tiles, in the producer's order."""
+def _consumer(a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, stride_asm, stride_bsn, k_blocks,
+              WG: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+              C_TMA: gl.constexpr):
+    """Consumer warpgroup ``WG``: its 64 rows of each of this program's tiles, in the producer's order.
+    ``c_out``: C's descriptor and the consumers' shared buffers (``C_TMA``), or its pointer and row stride."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     it = 0
     for tile in range(gl.program_id(0), _num_tiles(M, N, BLOCK_N), gl.num_programs(0)):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        _tile(a_ring, b_ring, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, stride_cm, stride_asm, stride_bsn,
-              pid_m, pid_n, k_blocks, it, mma, WG, BLOCK_N, NUM_STAGES)
+        _tile(a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, stride_asm, stride_bsn, pid_m,
+              pid_n, k_blocks, it, mma, WG, BLOCK_N, NUM_STAGES, C_TMA)
         it += k_blocks
+    if C_TMA:
+        tma.store_wait(0)  # the shared buffer outlives the last bulk store
 
 
 @gluon.jit
 def block_scaled_gemm_kernel_sm90_ws(
     a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr,
     M, N, K, stride_cm, stride_asm, stride_bsn,
-    BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+    BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, c_desc=None, C_TMA: gl.constexpr = False,
 ):
     """Persistent: program ``p`` of ``P`` takes the ``128 x BLOCK_N`` tiles ``p, p + P, ...`` of C
     (``grid``; ordered by ``gemm_sm90.grouped_tile``), each over all K blocks, through one ring.
@@ -205,13 +240,17 @@ def block_scaled_gemm_kernel_sm90_ws(
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)
+    if C_TMA:  # C by bulk stores, through a shared buffer a consumer
+        c_out = (c_desc, gl.allocate_shared_memory(c_desc.dtype, [2, 64, BLOCK_N], c_desc.layout))
+    else:
+        c_out = (c_ptr, stride_cm)
     fence_async_shared()
 
     gl.warp_specialize([
-        (_consumer, (a_ring, b_ring, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, stride_cm, stride_asm,
-                     stride_bsn, k_blocks, 0, BLOCK_N, GROUP_M, NUM_STAGES)),
-        (_consumer, (a_ring, b_ring, ready, empty, c_ptr, a_scale_ptr, b_scale_ptr, M, N, stride_cm, stride_asm,
-                     stride_bsn, k_blocks, 1, BLOCK_N, GROUP_M, NUM_STAGES)),
+        (_consumer, (a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, stride_asm, stride_bsn,
+                     k_blocks, 0, BLOCK_N, GROUP_M, NUM_STAGES, C_TMA)),
+        (_consumer, (a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, stride_asm, stride_bsn,
+                     k_blocks, 1, BLOCK_N, GROUP_M, NUM_STAGES, C_TMA)),
         (_producer, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, k_blocks, BLOCK_N, GROUP_M, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 

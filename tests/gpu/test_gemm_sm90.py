@@ -58,3 +58,20 @@ def test_refuses_rows_it_cannot_copy(kernel):
     b, b_scale = quantize_weight_blocks_ref(torch.randn(64, 200, device="cuda"))
     with pytest.raises(ValueError, match="16-byte aligned rows"):
         block_scaled_gemm(a, a_scale, b, b_scale, config=next(c for c in SM90_CONFIGS if c["KERNEL"] == kernel))
+
+
+@pytest.mark.parametrize("config", [c for c in SM90_CONFIGS if c["KERNEL"] == "sm90_ws"],
+                         ids=lambda c: f"{c['KERNEL']}-{c['BLOCK_M']}x{c['BLOCK_N']}-s{c['num_stages']}")
+def test_ws_output_rows_bulk_stores_cannot_take(config):
+    """C rows that are not 16-byte aligned (a view of a wider buffer) go out from registers, not by
+    bulk stores: same values, and nothing written past the view's columns."""
+    m, n, k = 300, 200, 384
+    a, a_scale = quantize_per_token_group_ref(torch.randn(m, k, device="cuda") * 3)
+    b, b_scale = quantize_weight_blocks_ref(torch.randn(n, k, device="cuda") * 0.02)
+    buffer = torch.full((m, n + 3), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = buffer[:, :n]
+    assert gemm_sm90_ws.out_descriptor(out, config["BLOCK_N"]) is None
+    block_scaled_gemm(a, a_scale, b, b_scale, out=out, config=config)
+    ref = block_scaled_gemm_ref(a, a_scale, b, b_scale, torch.float32)
+    assert_close(out, ref, atol=2e-3 * ref.abs().max().item(), rtol=1e-2, name="sm90_ws gemm, C from registers")
+    assert buffer[:, n:].isnan().all(), "the kernel wrote past C's columns"
