@@ -12,6 +12,8 @@ as the table ``common_kernels.fp8.gemm`` reads
 the time of each winner and of the untuned default.
 
     python benchmarks/tune_fp8_gemm.py --out common_kernels/fp8/configs/gemm_NVIDIA_H200.json
+    python benchmarks/tune_fp8_gemm.py --m 128 256 --update common_kernels/fp8/configs/gemm_NVIDIA_H200.json \
+        --out retuned.json                    # two M values again, every other entry as shipped
 """
 
 import argparse
@@ -24,7 +26,7 @@ import triton
 
 from benchmarks.fp8_gemm import SHAPES, shape_arg
 from benchmarks.timing import in_cuda_graph
-from benchmarks.tuned_tables import write_tuned_table
+from benchmarks.tuned_tables import starting_configs, write_tuned_table
 from common_kernels.fp8 import block_scaled_gemm, gemm_sm90, gemm_sm90_ws, quantize_per_token_group
 from common_kernels.fp8.gemm import SCALE_BLOCK, default_config
 from common_kernels.fp8.reference import block_scaled_gemm_ref, quantize_weight_blocks_ref
@@ -83,9 +85,11 @@ def main():
     parser.add_argument("--shapes", nargs="+", type=shape_arg, default=SHAPES, metavar="N,K")
     parser.add_argument("--m", type=int, nargs="+", default=M_VALUES)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--update", metavar="TABLE", help="start from this table: the (shape, M) entries "
+                        "not tuned in this run are kept (e.g. the shipped table, retuning a few rows)")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
-    table, started = {}, time.perf_counter()
+    table, started = starting_configs(args.update), time.perf_counter()
     for n, k in args.shapes:
         w, ws = quantize_weight_blocks_ref(torch.randn(n, k, device="cuda") / k**0.5)
         for m in args.m:

@@ -23,7 +23,7 @@ import triton
 
 from benchmarks.fp8_moe import SHAPES, expert_weights
 from benchmarks.timing import in_cuda_graph
-from benchmarks.tuned_tables import write_tuned_table
+from benchmarks.tuned_tables import starting_configs, write_tuned_table
 from common_kernels.fp8 import fused_moe_fp8
 from common_kernels.fp8.moe import DEFAULT_CONFIG
 
@@ -84,8 +84,10 @@ def main():
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--update", metavar="TABLE", help="start from this table: the (shape, token count) entries "
+                        "not tuned in this run are kept (e.g. the shipped table, retuning a few rows)")
     args = parser.parse_args()
-    table, started = {}, time.perf_counter()
+    table, started = starting_configs(args.update), time.perf_counter()
     for shape in args.shapes:
         experts, top_k, hidden, inter = SHAPES[shape]
         w13, s13 = expert_weights(experts, 2 * inter, hidden)

@@ -17,3 +17,11 @@ def write_tuned_table(out: str, configs: dict, started: float) -> None:
                                    "triton": triton.__version__, "seconds": round(time.perf_counter() - started),
                                    "configs": configs}, indent=1))
     os.replace(partial, out)
+
+
+def starting_configs(update: str | None) -> dict:
+    """The configs a tuning run starts from: those of the table ``update`` names (its entries that the
+    run does not tune are kept as they are), or none."""
+    if update is None:
+        return {}
+    return json.loads(Path(update).read_text())["configs"]
