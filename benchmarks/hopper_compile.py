@@ -202,6 +202,10 @@ def every_kernel_report() -> dict[str, HopperReport]:
         quant._group_quant_kernel, dict(x_ptr=bf16, q_ptr=fp8, scale_ptr=f32, stats_ptr=i32),
         dict(GROUP=128, POW2_SCALE=False, TRACK_STATS=True, BLOCK_ROWS=quant.GROUP_BLOCK_ROWS, **e4m3), 4, 3,
         floats=("eps",), unaligned=("num_rows", "num_cols", "stride_s_m"))
+    reports["group quantizer, device row limit"] = compile_for_hopper(  # the fused MoE's unfused intermediate
+        quant._group_quant_kernel, dict(x_ptr=bf16, q_ptr=fp8, scale_ptr=f32, stats_ptr=i32, rows_limit_ptr=i32),
+        dict(GROUP=128, POW2_SCALE=False, TRACK_STATS=True, BLOCK_ROWS=quant.GROUP_BLOCK_ROWS, **e4m3), 4, 3,
+        floats=("eps",), unaligned=("num_rows", "num_cols", "stride_s_m"))
     reports["token quantizer"] = compile_for_hopper(
         quant._token_quant_kernel, dict(x_ptr=bf16, q_ptr=fp8, scale_ptr=f32, stats_ptr=i32),
         dict(BLOCK=1024, POW2_SCALE=False, TRACK_STATS=True, **e4m3), 4, 3, floats=("eps",),
@@ -248,10 +252,10 @@ def every_kernel_report() -> dict[str, HopperReport]:
         moe._count_by_expert_kernel, dict(ids_ptr=i32, cursor_ptr=i32, sorted_ids_ptr=i32),
         dict(E_PAD=512, CHUNK=2048), 4, 3, unaligned=("pairs", "num_experts", "size"))
     reports["moe expert run starts"] = compile_for_hopper(
-        moe._run_starts_kernel, dict(cursor_ptr=i32, block_expert_ptr=i32),
+        moe._run_starts_kernel, dict(cursor_ptr=i32, block_expert_ptr=i32, used_rows_ptr=i32),
         dict(BLOCK_M=64, E_PAD=512, P_PAD=32, BLOCKS_CHUNK=32), 8, 3, unaligned=("programs", "num_experts", "size"))
     reports["moe expert scatter"] = compile_for_hopper(
-        moe._scatter_by_expert_kernel, dict(ids_ptr=i32, sorted_ids_ptr=i32, cursor_ptr=i32),
+        moe._scatter_by_expert_kernel, dict(ids_ptr=i32, sorted_ids_ptr=i32, position_ptr=i32, cursor_ptr=i32),
         dict(E_PAD=512, CHUNK=2048), 4, 3, unaligned=("pairs", "num_experts"))
     # gate/up also with its quantizing epilogue (the intermediate stored as E4M3 and group scales); "capped":
     # launches tune_fp8_moe tries under a register cap, three programs a multiprocessor
@@ -263,11 +267,14 @@ def every_kernel_report() -> dict[str, HopperReport]:
             moe._moe_gemm_kernel,
             dict(a_ptr=fp8, a_scale_ptr=f32, b_ptr=fp8, b_scale_ptr=f32, c_ptr=fp8 if quantizing else bf16,
                  c_scale_ptr=f32, stats_ptr=i32, sorted_ids_ptr=i32, block_expert_ptr=i32, weights_ptr=f32),
-            dict(ROWS_PER_A=8 if gated else 1, GATED=gated, APPLY_WEIGHT=not gated, BLOCK_M=block_m, BLOCK_N=128,
+            dict(ROWS_PER_A=8 if gated else 1, A_SORTED=not gated, GATED=gated, APPLY_WEIGHT=not gated, BLOCK_M=block_m, BLOCK_N=128,
                  BLOCK_K=128, QUANT_OUT=quantizing, MID_DTYPE=tl.bfloat16, TRACK_STATS=quantizing, ONE_SCALE=True,
                  **e4m3),
             warps, stages, floats=("eps",), unaligned=("num_pairs", "stride_asm", "stride_bsn", "stride_csm"),
             maxnreg=maxnreg)
+    reports["moe slot sum"] = compile_for_hopper(
+        moe._sum_slots_kernel, dict(rows_ptr=bf16, position_ptr=i32, out_ptr=bf16),
+        dict(TOP_K=8, K_PAD=8, BLOCK_H=moe.SUM_BLOCK_H), 4, 3, unaligned=("num_rows", "H"))
     return reports
 
 

@@ -17,12 +17,15 @@ whole 128-column groups (``BLOCK_N`` a multiple of 128) already quantized for th
 its epilogue (the values x's dtype would hold, then ``quantize_per_token_group``'s arithmetic, bit
 for bit), else in x's dtype for ``quantize_per_token_group``; the second
 multiplies by the routing weight before storing each slot's output in x's dtype, and the ``k``
-slots of a token are then summed with fp32 accumulation (as vLLM's ``moe_sum``: half the bytes of
-fp32 slot outputs; at DeepSeek-V3 sizes and 4096 tokens the fp32 version's sum took 270 us).
+slots of a token are then gathered and summed with fp32 accumulation (``sum_slots``; x's dtype
+stored, half the bytes of fp32 slot outputs: at DeepSeek-V3 sizes and 4096 tokens an fp32 version's
+sum took 270 us). Both GEMMs store at the sorted rows, so the second reads its A rows and writes
+its output in runs of whole rows (the layout a TMA copy takes); only the first gathers tokens.
 """
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -68,16 +71,24 @@ def untuned_config(rows_per_expert: float) -> dict:
 ALIGN_MAX_PROGRAMS = 32  # the count and scatter launches' programs; each takes a chunk of >= 1024 pairs
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
+class ExpertRuns(NamedTuple):
+    """The ``T * k`` (token, slot) pairs sorted by expert (``align_by_expert``)."""
+    sorted_ids: torch.Tensor  # [P] int32: the pair index t * k + j at each sorted row, T * k for padding
+    block_expert: torch.Tensor  # [P // block_m] int32: each block's expert, -1 past the last run
+    position: torch.Tensor  # [T * k] int32: each pair's sorted row; >= P for a left-out pair
+    used_rows: torch.Tensor  # [1] int32: the rows of all runs, padding included (the rest of P is unused)
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> ExpertRuns:
     """Sort the ``T * k`` (token, slot) pairs by expert, each expert's run padded to ``block_m``;
     pairs with a negative id (experts on another rank) are left out.
 
-    Returns ``(sorted_ids [P] int32, block_expert [P // block_m] int32)`` with
-    ``P = T * k + E * (block_m - 1)`` rounded up to ``block_m``: ``sorted_ids`` holds pair indices
-    ``t * k + j`` (``T * k`` marks padding), ``block_expert`` the expert of each run of ``block_m``
-    (``-1`` for blocks past the last run). Within a run the order of the pairs is unspecified (each
-    pair's output row does not depend on it). Three launches, no host synchronization, shapes fixed
-    by ``T * k`` and ``E``: CUDA graphs capture it. Reference: ``align_by_expert_ref``.
+    Returns ``ExpertRuns`` with ``P = T * k + min(E, T * k) * (block_m - 1)`` rounded up to
+    ``block_m`` (at most that many rows of runs: empty experts take none): the runs from row 0, each
+    expert's pairs then padding rows up to its next multiple of ``block_m``, and ``position``, the
+    inverse of ``sorted_ids``. Within a run the order of the pairs is unspecified (each pair's
+    output row does not depend on it). Three launches, no host synchronization, shapes fixed by
+    ``T * k`` and ``E``: CUDA graphs capture it. Reference: ``align_by_expert_ref``.
 
     Work split: each of up to ``ALIGN_MAX_PROGRAMS`` programs counts its chunk of pairs per expert
     (``tl.histogram``, no atomics); one program turns the counts into run starts, each program's
@@ -85,20 +96,23 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLO
     rows from its own counters, so atomics only meet within a program.
     """
     pairs = topk_ids.numel()
-    size = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
+    size = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
     chunk = max(1024, triton.next_power_of_2(triton.cdiv(pairs, ALIGN_MAX_PROGRAMS)))
     programs = max(1, triton.cdiv(pairs, chunk))
     e_pad = triton.next_power_of_2(num_experts + 1)  # bin num_experts: the left-out pairs
     ids = topk_ids.contiguous()
     sorted_ids = torch.empty(size + pairs, dtype=torch.int32, device=ids.device)  # left-out pairs: past size
     block_expert = torch.empty(size // block_m, dtype=torch.int32, device=ids.device)
+    position = torch.empty(pairs, dtype=torch.int32, device=ids.device)
+    used_rows = torch.empty(1, dtype=torch.int32, device=ids.device)
     cursor = torch.empty(programs, e_pad, dtype=torch.int32, device=ids.device)
     _count_by_expert_kernel[(programs,)](ids, cursor, sorted_ids, pairs, num_experts, size, E_PAD=e_pad,
                                          CHUNK=chunk)
-    _run_starts_kernel[(1,)](cursor, block_expert, programs, num_experts, size, BLOCK_M=block_m, E_PAD=e_pad,
-                             P_PAD=triton.next_power_of_2(programs), BLOCKS_CHUNK=32, num_warps=8)
-    _scatter_by_expert_kernel[(programs,)](ids, sorted_ids, cursor, pairs, num_experts, E_PAD=e_pad, CHUNK=chunk)
-    return sorted_ids[:size], block_expert
+    _run_starts_kernel[(1,)](cursor, block_expert, used_rows, programs, num_experts, size, BLOCK_M=block_m,
+                             E_PAD=e_pad, P_PAD=triton.next_power_of_2(programs), BLOCKS_CHUNK=32, num_warps=8)
+    _scatter_by_expert_kernel[(programs,)](ids, sorted_ids, position, cursor, pairs, num_experts, E_PAD=e_pad,
+                                           CHUNK=chunk)
+    return ExpertRuns(sorted_ids[:size], block_expert, position, used_rows)
 
 
 @triton.jit
@@ -126,10 +140,11 @@ def _count_by_expert_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, pairs, num_expe
 
 
 @triton.jit
-def _run_starts_kernel(cursor_ptr, block_expert_ptr, programs, num_experts, size, BLOCK_M: tl.constexpr,
-                       E_PAD: tl.constexpr, P_PAD: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
+def _run_starts_kernel(cursor_ptr, block_expert_ptr, used_rows_ptr, programs, num_experts, size,
+                       BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
     """Counts per program and bin -> each program's first row in each expert's padded run (the
-    left-out bin starts at ``size``, past the returned rows), and each block's expert."""
+    left-out bin starts at ``size``, past the returned rows), each block's expert and the rows of
+    all runs."""
     progs = tl.arange(0, P_PAD)
     experts = tl.arange(0, E_PAD)
     cells = cursor_ptr + progs[:, None] * E_PAD + experts[None, :]
@@ -139,6 +154,7 @@ def _run_starts_kernel(cursor_ptr, block_expert_ptr, programs, num_experts, size
     real = experts < num_experts
     padded = tl.where(real, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     ends = tl.cumsum(padded, 0)
+    tl.store(used_rows_ptr, tl.sum(padded, 0))
     starts = tl.where(real, ends - padded, size)
     tl.store(cells, starts[None, :] + tl.cumsum(counts_p, 0) - counts_p, mask=valid)
     ends = tl.where(real, ends, size + 1)  # the left-out bin and padding bins never own a block
@@ -150,12 +166,13 @@ def _run_starts_kernel(cursor_ptr, block_expert_ptr, programs, num_experts, size
 
 
 @triton.jit
-def _scatter_by_expert_kernel(ids_ptr, sorted_ids_ptr, cursor_ptr, pairs, num_experts, E_PAD: tl.constexpr,
-                              CHUNK: tl.constexpr):
+def _scatter_by_expert_kernel(ids_ptr, sorted_ids_ptr, position_ptr, cursor_ptr, pairs, num_experts,
+                              E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """Each pair to the next free row of its bin, from this program's own counters."""
     offs, in_range, key = _expert_keys(ids_ptr, pairs, num_experts, CHUNK)
     row = tl.atomic_add(cursor_ptr + tl.program_id(0) * E_PAD + key, 1, mask=in_range)
     tl.store(sorted_ids_ptr + row, offs, mask=in_range)
+    tl.store(position_ptr + offs, row, mask=in_range)
 
 
 def append_shared_experts(topk_ids: torch.Tensor, topk_weights: torch.Tensor, first_shared: int, num_shared: int,
@@ -174,13 +191,16 @@ def _moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, stats_ptr, sorted_ids_ptr, block_expert_ptr,
     weights_ptr, num_pairs, N, K, stride_am, stride_asm, stride_be, stride_bn, stride_bse, stride_bsn, stride_cm,
     stride_csm, eps,
-    ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
+    ROWS_PER_A: tl.constexpr, A_SORTED: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT_OUT: tl.constexpr, MID_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
     MIN_EXP: tl.constexpr, TRACK_STATS: tl.constexpr, ONE_SCALE: tl.constexpr,
 ):
-    """One ``BLOCK_M`` run of one expert times a ``BLOCK_N`` slice of its weights. ``GATED``: the
-    weights are ``[gate; up]`` (``2N`` rows) and the output is ``silu(gate) * up`` (``N`` columns).
+    """One ``BLOCK_M`` run of one expert times a ``BLOCK_N`` slice of its weights, stored at the
+    run's sorted rows; ``GATED``, padding rows too (as zeros: their A rows load as zeros). A's row of
+    each pair: its token (``pair // ROWS_PER_A``), or with ``A_SORTED`` its sorted row (A was stored
+    by this kernel). ``GATED``: the weights are ``[gate; up]`` (``2N`` rows) and the output is
+    ``silu(gate) * up`` (``N`` columns).
     ``QUANT_OUT`` (``BLOCK_N`` a multiple of ``BLOCK_K``): the output is stored as ``MID_DTYPE`` would
     hold it, quantized per row and ``BLOCK_K`` columns (``c_ptr`` fp8, ``c_scale_ptr`` fp32), as
     ``quantize_per_token_group`` would quantize the stored intermediate. ``ONE_SCALE``: each
@@ -190,9 +210,10 @@ def _moe_gemm_kernel(
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
         return
-    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    sorted_row = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pair = tl.load(sorted_ids_ptr + sorted_row)
     mask_m = pair < num_pairs
-    row = (pair // ROWS_PER_A).to(tl.int64)  # the A row of each pair: its token, or the pair itself
+    row = sorted_row if A_SORTED else (pair // ROWS_PER_A).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
@@ -215,17 +236,18 @@ def _moe_gemm_kernel(
         acc = acc * tl.sigmoid(acc) * acc_up
     if APPLY_WEIGHT:
         acc *= tl.load(weights_ptr + pair, mask=mask_m, other=0.0)[:, None]
-    c = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    mask_c = mask_m[:, None] & mask_n[None, :]
+    c = c_ptr + sorted_row[:, None] * stride_cm + offs_n[None, :]
+    # the intermediate's padding rows as zeros: the quantizer and the second GEMM read whole runs
+    mask_c = ((sorted_row >= 0) if GATED else mask_m)[:, None] & mask_n[None, :]
     if QUANT_OUT:  # as x's dtype would hold it, then quantize_per_token_group's arithmetic
         h = acc.to(MID_DTYPE).to(tl.float32)
         y, scale = quantize_groups(tl.reshape(h, [BLOCK_M, BLOCK_N // BLOCK_K, BLOCK_K]), eps, FP8_MAX, MANT_BITS,
                                    MIN_EXP, False)
         tl.store(c, tl.reshape(y, [BLOCK_M, BLOCK_N]).to(c_ptr.dtype.element_ty), mask=mask_c)
         groups = pid_n * (BLOCK_N // BLOCK_K) + tl.arange(0, BLOCK_N // BLOCK_K)
-        tl.store(c_scale_ptr + pair.to(tl.int64)[:, None] * stride_csm + groups[None, :],
+        tl.store(c_scale_ptr + sorted_row[:, None] * stride_csm + groups[None, :],
                  tl.reshape(scale, [BLOCK_M, BLOCK_N // BLOCK_K]),
-                 mask=mask_m[:, None] & (groups * BLOCK_K < N)[None, :])
+                 mask=(sorted_row >= 0)[:, None] & (groups * BLOCK_K < N)[None, :])
         if TRACK_STATS:
             tl.atomic_add(stats_ptr + 1, count_nonfinite(h, mask_c))
     else:
@@ -248,22 +270,24 @@ def _block_dot(a, a_s, b_expert, bs_expert, first_row, rows, mask_rows, offs_k, 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-def _moe_gemm(a, a_scale, b, b_scale, out, sorted_ids, block_expert, weights, rows_per_a, gated, apply_weight,
+def _moe_gemm(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pairs, weights, top_k, gated, apply_weight,
               launch: dict, out_scale=None, mid_dtype=None, stats=None):
-    """``out_scale`` given: ``out`` (fp8) and ``out_scale`` take the output quantized per 128 columns,
-    rounded to ``mid_dtype`` first."""
+    """``out [P, n]`` at the sorted rows of ``runs``. A's rows: tokens (``top_k`` pairs a token), or
+    with ``top_k=None`` sorted rows. ``out_scale`` given: ``out`` (fp8) and ``out_scale`` take the
+    output quantized per 128 columns, rounded to ``mid_dtype`` first."""
     n, k = out.shape[1], b.shape[2]
     quant_out = out_scale is not None
     mant_bits, min_exp, fp8_max = fp8_grid(out.dtype) if quant_out else (0, 0, 0.0)
-    # Runs are contiguous from block 0 and every run holds at least one of the out.shape[0] pairs, so
-    # no later block has work: with few tokens this skips most of the E * (BLOCK_M - 1) padding blocks.
-    grid = (min(block_expert.shape[0], out.shape[0]), triton.cdiv(n, launch["BLOCK_N"]))
+    blocks = runs.block_expert.shape[0]
+    # Runs are contiguous from block 0 and every run holds at least one of the pairs, so no later
+    # block has work: with few tokens this skips most of the padding blocks.
+    grid = (min(blocks, num_pairs), triton.cdiv(n, launch["BLOCK_N"]))
     _moe_gemm_kernel[grid](
         a, a_scale, b, b_scale, out, out_scale if quant_out else out, stats if stats is not None else a_scale,
-        sorted_ids, block_expert, weights, out.shape[0], n, k, a.stride(0), a_scale.stride(0), b.stride(0),
+        runs.sorted_ids, runs.block_expert, weights, num_pairs, n, k, a.stride(0), a_scale.stride(0), b.stride(0),
         b.stride(1), b_scale.stride(0), b_scale.stride(1), out.stride(0), out_scale.stride(0) if quant_out else 0,
-        QUANT_EPS, ROWS_PER_A=rows_per_a, GATED=gated, APPLY_WEIGHT=apply_weight,
-        BLOCK_M=sorted_ids.shape[0] // block_expert.shape[0], BLOCK_N=launch["BLOCK_N"], BLOCK_K=SCALE_BLOCK,
+        QUANT_EPS, ROWS_PER_A=top_k or 1, A_SORTED=top_k is None, GATED=gated, APPLY_WEIGHT=apply_weight,
+        BLOCK_M=runs.sorted_ids.shape[0] // blocks, BLOCK_N=launch["BLOCK_N"], BLOCK_K=SCALE_BLOCK,
         QUANT_OUT=quant_out, MID_DTYPE=_TL_DTYPES[mid_dtype] if quant_out else tl.float32, FP8_MAX=fp8_max,
         MANT_BITS=mant_bits, MIN_EXP=min_exp, TRACK_STATS=quant_out and stats is not None,
         # 128-column tiles of 128-aligned gate and up halves: one weight scale a K block (as gemm.py)
@@ -271,6 +295,33 @@ def _moe_gemm(a, a_scale, b, b_scale, out, sorted_ids, block_expert, weights, ro
         num_warps=launch["num_warps"], num_stages=launch["num_stages"],
         **({"maxnreg": launch["maxnreg"]} if "maxnreg" in launch else {}),  # a register cap: more programs an SM
     )
+
+
+SUM_BLOCK_H = 64 if _INTERPRET else 1024  # columns a program of ``sum_slots``
+
+
+@triton.jit
+def _sum_slots_kernel(rows_ptr, position_ptr, out_ptr, num_rows, H, stride_r, stride_o, TOP_K: tl.constexpr,
+                      K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``BLOCK_H`` columns of one token's output: its slots' rows summed in fp32."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    slot = tl.arange(0, K_PAD)
+    row = tl.load(position_ptr + token * TOP_K + slot, mask=slot < TOP_K, other=num_rows).to(tl.int64)
+    mask = (row < num_rows)[:, None] & (offs_h < H)[None, :]
+    slots = tl.load(rows_ptr + row[:, None] * stride_r + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_o + offs_h, tl.sum(slots, 0).to(out_ptr.dtype.element_ty), mask=offs_h < H)
+
+
+def sum_slots(rows: torch.Tensor, position: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+    """``out[t] = sum_j rows[position[t * k + j]]`` (fp32 sums, ``rows``' dtype out): each token's
+    ``top_k`` slot outputs gathered from their sorted rows; a position ``>= rows.shape[0]`` (a pair
+    left out) adds nothing. Reference: ``sum_slots_ref``."""
+    out = rows.new_empty(tokens, rows.shape[1])
+    grid = (tokens, triton.cdiv(rows.shape[1], SUM_BLOCK_H))
+    _sum_slots_kernel[grid](rows, position, out, rows.shape[0], rows.shape[1], rows.stride(0), out.stride(0),
+                            TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_H=SUM_BLOCK_H)
+    return out
 
 
 def _validate(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_map, check_ids):
@@ -326,25 +377,22 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
         return x.new_zeros(tokens, hidden)
     config = config or moe_config(tokens, top_k, experts, hidden, two_i // 2, x.device)
     ids = topk_ids if expert_map is None else expert_map[topk_ids.long()]
-    sorted_ids, block_expert = align_by_expert(ids, experts, config["BLOCK_M"])
+    runs = align_by_expert(ids, experts, config["BLOCK_M"])
     weights = topk_weights.flatten().float().contiguous()
     a, a_scale = quantize_per_token_group(x.contiguous(), SCALE_BLOCK, stats=stats)
-    # silu(gate) * up, fused into the first GEMM, and with it the intermediate's quantization where a
-    # tile holds whole 128-column groups. Rows of left-out pairs are never written (nor read).
-    pairs, inter = tokens * top_k, two_i // 2
+    # silu(gate) * up at the sorted rows, fused into the first GEMM, and with it the intermediate's
+    # quantization where a tile holds whole 128-column groups.
+    pairs, inter, rows = tokens * top_k, two_i // 2, runs.sorted_ids.shape[0]
     if config["gate_up"]["BLOCK_N"] % SCALE_BLOCK == 0:
-        h = torch.empty(pairs, inter, dtype=torch.float8_e4m3fn, device=x.device)
-        h_scale = torch.empty(pairs, triton.cdiv(inter, SCALE_BLOCK), dtype=torch.float32, device=x.device)
-        _moe_gemm(a, a_scale, w13, w13_scale, h, sorted_ids, block_expert, weights, top_k, True, False,
-                  config["gate_up"], out_scale=h_scale, mid_dtype=x.dtype, stats=stats)
-    else:  # the unquantized intermediate's left-out rows are zeros, since the quantizer reads every row
-        hidden_act = (x.new_zeros if expert_map is not None else x.new_empty)(pairs, inter)
-        _moe_gemm(a, a_scale, w13, w13_scale, hidden_act, sorted_ids, block_expert, weights, top_k, True, False,
+        h = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=x.device)
+        h_scale = torch.empty(rows, triton.cdiv(inter, SCALE_BLOCK), dtype=torch.float32, device=x.device)
+        _moe_gemm(a, a_scale, w13, w13_scale, h, runs, pairs, weights, top_k, True, False, config["gate_up"],
+                  out_scale=h_scale, mid_dtype=x.dtype, stats=stats)
+    else:  # the rows past the runs were never written: the quantizer stops before them
+        hidden_act = x.new_empty(rows, inter)
+        _moe_gemm(a, a_scale, w13, w13_scale, hidden_act, runs, pairs, weights, top_k, True, False,
                   config["gate_up"])
-        h, h_scale = quantize_per_token_group(hidden_act, SCALE_BLOCK, stats=stats)
-    down = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    _moe_gemm(h, h_scale, w2, w2_scale, down, sorted_ids, block_expert, weights, 1, False, True, config["down"])
-    down = down.view(tokens, top_k, hidden)
-    if expert_map is not None:  # left-out pairs' rows were never written
-        down.masked_fill_((ids < 0)[..., None], 0.0)
-    return down.sum(1)  # fp32 accumulation, x's dtype out
+        h, h_scale = quantize_per_token_group(hidden_act, SCALE_BLOCK, stats=stats, rows_limit=runs.used_rows)
+    down = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    _moe_gemm(h, h_scale, w2, w2_scale, down, runs, pairs, weights, None, False, True, config["down"])
+    return sum_slots(down, runs.position, tokens, top_k)  # pairs left out (expert_map) add nothing

@@ -112,9 +112,13 @@ def _group_quant_kernel(
     POW2_SCALE: tl.constexpr,
     TRACK_STATS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
+    rows_limit_ptr=None,
 ):
     """One group of ``BLOCK_ROWS`` rows: a program of 128 threads per 128 values would be all
-    launch and no work (a DeepSeek-V3 MoE at 4096 tokens quantizes 0.75 M groups)."""
+    launch and no work (a DeepSeek-V3 MoE at 4096 tokens quantizes 0.75 M groups). With
+    ``rows_limit_ptr``, rows from ``rows_limit_ptr[0]`` on are left alone."""
+    if rows_limit_ptr is not None:
+        num_rows = tl.minimum(num_rows, tl.load(rows_limit_ptr))
     rows, group, offs, mask = group_tile(num_rows, num_cols, GROUP, BLOCK_ROWS)
     x = tl.load(x_ptr + rows[:, None] * stride_x_m + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     store_quantized_groups(x, rows, offs, mask, group, num_rows, q_ptr, scale_ptr, stats_ptr, stride_q_m, stride_s_m,
@@ -128,6 +132,7 @@ def quantize_per_token_group(
     pow2_scale: bool = False,
     eps: float = QUANT_EPS,
     stats: torch.Tensor | None = None,
+    rows_limit: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize each ``group_size`` columns of each row of ``x`` to fp8 with its own scale.
 
@@ -138,6 +143,9 @@ def quantize_per_token_group(
         pow2_scale: round every scale up to a power of two (exact rescaling, DeepGEMM's UE8M0).
         eps: floor of a group's absolute maximum (an all-zero group gets scale eps / fp8_max).
         stats: optional ``[2]`` int32 guard counters; non-finite inputs are added to ``stats[1]``.
+        rows_limit: optional int32 ``[1]`` on x's device: only the rows before ``rows_limit[0]`` are
+            read, quantized and counted; the outputs' later rows are left unwritten (a row count known
+            on the device only, as the fused MoE's rows in use).
 
     Returns:
         ``(q [M, K] fp8, scales [M, cdiv(K, group_size)] fp32)``; ``x ≈ q * scales`` per group.
@@ -155,7 +163,7 @@ def quantize_per_token_group(
         _group_quant_kernel[(triton.cdiv(rows, block_rows), groups)](
             x, q, scales, stats if stats is not None else scales, rows, cols, x.stride(0), q.stride(0),
             scales.stride(0), eps, GROUP=group_size, FP8_MAX=fp8_max, MANT_BITS=mant_bits, MIN_EXP=min_exp,
-            POW2_SCALE=pow2_scale, TRACK_STATS=stats is not None, BLOCK_ROWS=block_rows,
+            POW2_SCALE=pow2_scale, TRACK_STATS=stats is not None, BLOCK_ROWS=block_rows, rows_limit_ptr=rows_limit,
         )
     return q, scales
 

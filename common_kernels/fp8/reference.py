@@ -53,20 +53,32 @@ def quantize_weight_blocks_ref(w: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, b
 
 
 def align_by_expert_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """Same contract as ``align_by_expert``, in torch ops; within a run, pairs in ascending order."""
+    """Same contract as ``align_by_expert`` (``ExpertRuns``' fields as a tuple), in torch ops; within a
+    run, pairs in ascending order."""
     pairs = topk_ids.numel()
     key = torch.where(topk_ids.flatten() < 0, num_experts, topk_ids.flatten()).long()
     counts = torch.bincount(key, minlength=num_experts + 1)
     padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
-    size = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    size = -(-(pairs + min(num_experts, pairs) * (block_m - 1)) // block_m) * block_m
     sorted_ids = torch.full((size,), pairs, dtype=torch.int32, device=topk_ids.device)
+    position = torch.full((pairs,), size, dtype=torch.int32, device=topk_ids.device)
     for e in range(num_experts):
         members = (key == e).nonzero().flatten()
         start = int(ends[e] - padded[e])
         sorted_ids[start : start + members.numel()] = members.to(torch.int32)
+        position[members] = torch.arange(start, start + members.numel(), dtype=torch.int32, device=position.device)
     block_expert = torch.searchsorted(ends, torch.arange(0, size, block_m, device=ends.device), right=True)
-    return sorted_ids, torch.where(block_expert >= num_experts, -1, block_expert).to(torch.int32)
+    used_rows = padded.sum().reshape(1).to(torch.int32)
+    return sorted_ids, torch.where(block_expert >= num_experts, -1, block_expert).to(torch.int32), position, used_rows
+
+
+def sum_slots_ref(rows: torch.Tensor, position: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+    """Same contract as ``sum_slots``."""
+    taken = position.long().view(tokens, top_k)
+    valid = taken < rows.shape[0]
+    slots = rows.float()[taken.clamp(max=rows.shape[0] - 1)] * valid[..., None]
+    return slots.sum(1).to(rows.dtype)
 
 
 def fused_moe_fp8_ref(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_map=None) -> torch.Tensor:

@@ -44,6 +44,22 @@ def test_group_quant_counts_nonfinite_inputs(pow2_scale):
     assert torch.isfinite(scales[[0, 2], [1, 0]]).all() and torch.isfinite(scales[1]).all()
 
 
+@pytest.mark.parametrize("limit", [0, 7, 19, 40])
+def test_group_quant_stops_at_a_device_row_limit(limit):
+    """Rows from ``rows_limit[0]`` on are neither quantized nor counted (NaN there leaves the guard at
+    zero); the rows before it are the reference's. 19 rows: the last program's 16 rows straddle it."""
+    x = torch.randn(33, 256, device=device())
+    x[limit:] = float("nan")
+    stats = torch.zeros(2, dtype=torch.int32, device=device())
+    rows_limit = torch.tensor([limit], dtype=torch.int32, device=device())
+    q, scales = quantize_per_token_group(x, 128, stats=stats, rows_limit=rows_limit)
+    assert stats.tolist() == [0, 0]
+    if limit:
+        q_ref, scales_ref = quantize_per_token_group_ref(x[:limit], 128)
+        assert torch.equal(scales[:limit], scales_ref)
+        assert torch.equal(q[:limit].view(torch.uint8), q_ref.view(torch.uint8))
+
+
 @pytest.mark.parametrize("fp8_name", FP8.keys())
 @pytest.mark.parametrize("shape", [(5, 3000), (1, 7), (4, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("pow2_scale", [False, True], ids=["scale", "pow2_scale"])

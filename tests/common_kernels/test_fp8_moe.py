@@ -10,8 +10,20 @@ H200, 1 run in 6 had 2 of 10240 outputs 2.5e-2 off; a wrong tile, row or expert 
 import pytest
 import torch
 
-from common_kernels.fp8.moe import BLOCK_M, align_by_expert, append_shared_experts, fused_moe_fp8, untuned_config
-from common_kernels.fp8.reference import align_by_expert_ref, fused_moe_fp8_ref, quantize_weight_blocks_ref
+from common_kernels.fp8.moe import (
+    BLOCK_M,
+    align_by_expert,
+    append_shared_experts,
+    fused_moe_fp8,
+    sum_slots,
+    untuned_config,
+)
+from common_kernels.fp8.reference import (
+    align_by_expert_ref,
+    fused_moe_fp8_ref,
+    quantize_weight_blocks_ref,
+    sum_slots_ref,
+)
 from tests.helpers import assert_close, device
 
 
@@ -32,10 +44,14 @@ def test_align_by_expert_places_every_pair_once(tokens):
     experts, top_k = 6, 2
     ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
     ids[ids == 5] = 4  # expert 5 gets nothing
-    sorted_ids, block_expert = align_by_expert(ids, experts, BLOCK_M)
+    sorted_ids, block_expert, position, used_rows = align_by_expert(ids, experts, BLOCK_M)
     pairs = tokens * top_k
     real = sorted_ids[sorted_ids < pairs]
     assert sorted(real.tolist()) == list(range(pairs))
+    assert torch.equal(sorted_ids[position.long()], torch.arange(pairs, dtype=torch.int32))
+    used = int(used_rows)
+    assert used % BLOCK_M == 0 and (block_expert[: used // BLOCK_M] >= 0).all()
+    assert (block_expert[used // BLOCK_M :] < 0).all() and (sorted_ids[used:] == pairs).all()
     for block, expert in enumerate(block_expert.tolist()):
         members = sorted_ids[block * BLOCK_M : (block + 1) * BLOCK_M]
         members = members[members < pairs].long()
@@ -55,10 +71,18 @@ def test_align_by_expert_matches_reference(tokens, experts, top_k, block_m):
     ids = torch.randint(0, experts, (tokens, top_k), dtype=torch.int32)
     ids[ids == 1] = 0
     ids[torch.rand(tokens, top_k) < 0.1] = -1
-    sorted_ids, block_expert = align_by_expert(ids, experts, block_m)
-    ref_sorted, ref_block_expert = align_by_expert_ref(ids, experts, block_m)
-    assert torch.equal(block_expert, ref_block_expert)
-    assert_same_runs(sorted_ids, ref_sorted, block_expert, block_m, ids.numel())
+    runs = align_by_expert(ids, experts, block_m)
+    ref_sorted, ref_block_expert, _, ref_used_rows = align_by_expert_ref(ids, experts, block_m)
+    assert torch.equal(runs.block_expert, ref_block_expert) and torch.equal(runs.used_rows, ref_used_rows)
+    assert_same_runs(runs.sorted_ids, ref_sorted, runs.block_expert, block_m, ids.numel())
+    assert_positions_invert(runs, ids)
+
+
+def assert_positions_invert(runs, ids):
+    """Each pair's position is its row in ``sorted_ids``; a left-out pair's lies past every row."""
+    taken = (ids.flatten() >= 0).nonzero().flatten()
+    assert torch.equal(runs.sorted_ids[runs.position[taken].long()], taken.to(torch.int32))
+    assert (runs.position[ids.flatten() < 0] >= runs.sorted_ids.numel()).all()
 
 
 def assert_same_runs(sorted_ids, ref_sorted, block_expert, block_m, pairs):
@@ -73,10 +97,36 @@ def assert_same_runs(sorted_ids, ref_sorted, block_expert, block_m, pairs):
 
 def test_align_by_expert_leaves_out_negative_ids():
     ids = torch.tensor([[0, -1], [2, 0], [-1, -1], [2, 1]])
-    sorted_ids, block_expert = align_by_expert(ids, 3, BLOCK_M)
+    runs = align_by_expert(ids, 3, BLOCK_M)
     pairs = ids.numel()
-    assert sorted(sorted_ids[sorted_ids < pairs].tolist()) == [0, 2, 3, 6, 7]
-    assert sorted_ids.numel() == block_expert.numel() * BLOCK_M == -(-(pairs + 3 * (BLOCK_M - 1)) // BLOCK_M) * BLOCK_M
+    assert sorted(runs.sorted_ids[runs.sorted_ids < pairs].tolist()) == [0, 2, 3, 6, 7]
+    assert runs.sorted_ids.numel() == runs.block_expert.numel() * BLOCK_M
+    assert runs.sorted_ids.numel() == -(-(pairs + 3 * (BLOCK_M - 1)) // BLOCK_M) * BLOCK_M
+    assert int(runs.used_rows) == 3 * BLOCK_M  # three runs of up to two pairs
+    assert_positions_invert(runs, ids)
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, block_m", [(1, 256, 8, 16), (5, 2, 2, 16)])
+def test_align_by_expert_rows_fit_the_pairs(tokens, experts, top_k, block_m):
+    """At most ``min(E, T * k)`` runs: one token's eight pairs take at most eight runs, not 256."""
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    runs = align_by_expert(ids, experts, block_m)
+    runs_max = min(experts, ids.numel())
+    assert runs.sorted_ids.numel() == -(-(ids.numel() + runs_max * (block_m - 1)) // block_m) * block_m
+    assert int(runs.used_rows) == block_m * sum(-(-int((ids == e).sum()) // block_m) for e in range(experts))
+
+
+@pytest.mark.parametrize("tokens, top_k, hidden", [(1, 1, 64), (5, 3, 200), (9, 8, 130)])
+def test_sum_slots_matches_reference(tokens, top_k, hidden):
+    """Each token's slots gathered from scattered rows and summed; positions past the rows (pairs
+    left out) add nothing. Within one bf16 rounding of the reference's fp32 sum (another order)."""
+    rows = torch.randn(tokens * top_k + 20, hidden, dtype=torch.bfloat16)
+    position = torch.randperm(rows.shape[0])[: tokens * top_k].to(torch.int32)
+    position[::4] = rows.shape[0] + 3  # left out
+    out = sum_slots(rows, position, tokens, top_k)
+    expected = sum_slots_ref(rows, position, tokens, top_k)
+    assert out.shape == (tokens, hidden) and out.dtype == torch.bfloat16
+    assert_close(out, expected, atol=1e-6, rtol=2**-7, name="slot sums")
 
 
 LAUNCHES = {

@@ -63,11 +63,12 @@ def test_expert_sort_deepseek_sizes(tokens):
     """DeepSeek-V3's 256 routed experts + 1 shared, top 8 + 1: up to 32 programs of pairs."""
     from common_kernels.fp8.moe import align_by_expert
     from common_kernels.fp8.reference import align_by_expert_ref
-    from tests.common_kernels.test_fp8_moe import assert_same_runs
+    from tests.common_kernels.test_fp8_moe import assert_positions_invert, assert_same_runs
 
     ids = torch.cat([torch.rand(tokens, 256, device="cuda").topk(8, dim=1).indices,
                      torch.full((tokens, 1), 256, device="cuda")], dim=1).to(torch.int32)
-    sorted_ids, block_expert = align_by_expert(ids, 257, 64)
-    ref_sorted, ref_block_expert = align_by_expert_ref(ids, 257, 64)
-    assert torch.equal(block_expert, ref_block_expert)
-    assert_same_runs(sorted_ids, ref_sorted, block_expert, 64, ids.numel())
+    runs = align_by_expert(ids, 257, 64)
+    ref_sorted, ref_block_expert, _, ref_used_rows = align_by_expert_ref(ids, 257, 64)
+    assert torch.equal(runs.block_expert, ref_block_expert) and torch.equal(runs.used_rows, ref_used_rows)
+    assert_same_runs(runs.sorted_ids, ref_sorted, runs.block_expert, 64, ids.numel())
+    assert_positions_invert(runs, ids)
