@@ -71,10 +71,10 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int,
     defaults = {name: param.default for name, param in inspect.signature(kernel.fn).parameters.items()
                 if "constexpr" in str(param.annotation) and param.default is not inspect.Parameter.empty}
     constexprs = defaults | constexprs  # the kernel's own defaults where the launch gives none, as a launch does
-    given = set(pointers) | set(floats) | set(constexprs) | set(typed)
+    given = set(pointers) | set(floats) | set(constexprs) | set(typed) | set(unaligned)
     params = [name for name, param in inspect.signature(kernel.fn).parameters.items()
               if name in given or param.default is inspect.Parameter.empty]  # optional ones only if given
-    unknown = given | set(unaligned)
+    unknown = given
     if not unknown <= set(params):
         raise ValueError(f"{kernel.fn.__name__} has no argument(s) {sorted(unknown - set(params))}")
     signature = {}
@@ -244,6 +244,17 @@ def every_kernel_report() -> dict[str, HopperReport]:
             unaligned=("M", "stride_asm", "stride_bsn"), maxnreg=gemm_sm90_ws.MAXNREG,
             typed=dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc))
             | (dict(c_desc=mangle_type(c_desc)) if c_tma else {}))
+    # grouped: the fused MoE's down GEMM at DeepSeek-V3 (256 experts of 7168 x 2048), 128-row runs
+    a, b = torch.empty(49152, 2048, dtype=fp8), torch.empty(256 * 7168, 2048, dtype=fp8)
+    a_desc, b_desc = gemm_sm90_ws.descriptors(a, b, 128)
+    c_desc = gemm_sm90_ws.out_descriptor(torch.empty(49152, 7168, dtype=bf16), 128)
+    reports["moe down gemm, sm90 ws 128x128"] = compile_for_hopper(
+        gemm_sm90_ws.block_scaled_gemm_kernel_sm90_ws,
+        dict(c_ptr=bf16, a_scale_ptr=f32, b_scale_ptr=f32, rows_in_use_ptr=i32, block_expert_ptr=i32,
+             sorted_ids_ptr=i32, weights_ptr=f32),
+        dict(BLOCK_N=128, GROUP_M=8, NUM_STAGES=6, C_TMA=True, GROUPED=True), gemm_sm90_ws.NUM_WARPS.value, 1,
+        unaligned=("M", "stride_asm", "stride_bsn", "num_pairs", "stride_bse"), maxnreg=gemm_sm90_ws.MAXNREG,
+        typed=dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc), c_desc=mangle_type(c_desc)))
     reports["gemm split-k sum"] = compile_for_hopper(
         gemm._split_k_sum_kernel, dict(partial_ptr=f32, c_ptr=bf16), dict(SPLIT_K=4, BLOCK=1024), 4, 3,
         unaligned=("M",))

@@ -195,16 +195,22 @@ def _capability(device_index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-def _launch_sm90(a, a_scale, b, b_scale, out, config: dict) -> None:
-    (m, k), n = a.shape, b.shape[0]
-    module = gemm_sm90_ws if config["KERNEL"] == "sm90_ws" else gemm_sm90
+def require_sm90(module, config: dict, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Refuse, naming the problem, a launch of an sm_90 GEMM kernel (``module``) that could not run:
+    a config it does not fit, a GPU that is not Hopper, operands without 16-byte aligned rows."""
     if not module.fits(config):
         raise ValueError(f"config {config} does not fit the sm_90 GEMM kernel ({module.__name__}.fits)")
     if a.device.type != "cuda" or _capability(a.device.index)[0] != 9:
         raise ValueError(f"the sm_90 GEMM kernel runs on Hopper GPUs only, not on {a.device}")
     if any(t.stride(0) % 16 or t.data_ptr() % 16 for t in (a, b)):
         raise ValueError("the sm_90 GEMM kernel copies 16-byte rows: a and b need 16-byte aligned rows "
-                         f"(K = {k}, row strides {a.stride(0)} and {b.stride(0)})")
+                         f"(K = {a.shape[1]}, row strides {a.stride(0)} and {b.stride(0)})")
+
+
+def _launch_sm90(a, a_scale, b, b_scale, out, config: dict) -> None:
+    (m, k), n = a.shape, b.shape[0]
+    module = gemm_sm90_ws if config["KERNEL"] == "sm90_ws" else gemm_sm90
+    require_sm90(module, config, a, b)
     if module is gemm_sm90_ws:
         c_desc = gemm_sm90_ws.out_descriptor(out, config["BLOCK_N"])
         gemm_sm90_ws.block_scaled_gemm_kernel_sm90_ws[gemm_sm90_ws.grid(m, n, config["BLOCK_N"], a.device)](

@@ -103,8 +103,8 @@ def out_descriptor(out, block_n: int) -> TensorDescriptor | None:
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, k_blocks, BLOCK_N: gl.constexpr,
-              GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _producer(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, k_blocks, experts, BLOCK_N: gl.constexpr,
+              GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, GROUPED: gl.constexpr):
     """Copy every K block of this program's tiles' A and B rows into the ring, one tile after the
     other, each slot once both consumers have handed it back: the next tile's first blocks land
     while the consumers store the last one."""
@@ -112,14 +112,14 @@ def _producer(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, k_blocks, BLOC
     it = 0  # K blocks copied so far: the ring's position
     for tile in range(gl.program_id(0), _num_tiles(M, N, BLOCK_N), gl.num_programs(0)):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        b_row = _expert(experts, pid_m, GROUPED) * N + pid_n * BLOCK_N
         for kb in range(k_blocks):
             slot = it % NUM_STAGES
             mbarrier.wait(empty.index(slot), (it // NUM_STAGES & 1) ^ 1)
             mbarrier.expect(ready.index(slot), nbytes)
             tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kb * BLOCK_K], ready.index(slot),
                                             a_ring.index(slot))
-            tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, kb * BLOCK_K], ready.index(slot),
-                                            b_ring.index(slot))
+            tma.async_copy_global_to_shared(b_desc, [b_row, kb * BLOCK_K], ready.index(slot), b_ring.index(slot))
             it += 1
 
 
@@ -127,6 +127,15 @@ def _producer(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, k_blocks, BLOC
 def _num_tiles(M, N, BLOCK_N: gl.constexpr):
     """The tiles of C."""
     return gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+
+
+@gluon.jit
+def _expert(experts, pid_m, GROUPED: gl.constexpr):
+    """``GROUPED``: the expert of row block ``pid_m`` (``experts[0]``: ``block_expert``); else 0."""
+    if GROUPED:
+        return gl.load(experts[0] + pid_m)
+    else:
+        return 0
 
 
 @gluon.jit
@@ -148,8 +157,8 @@ def _hand_back(empty, it, NUM_STAGES: gl.constexpr):
 
 @gluon.jit
 def _tile(a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, stride_asm, stride_bsn, pid_m, pid_n,
-          k_blocks, it, mma: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-          C_TMA: gl.constexpr):
+          k_blocks, it, experts, mma: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+          C_TMA: gl.constexpr, GROUPED: gl.constexpr):
     """Rows ``64 WG ..`` of tile ``(pid_m, pid_n)``, whose first K block is the ring's block ``it``:
     every K block's wgmma, folded with its scales, then stored. Two partials in flight, as in
     ``gemm_sm90`` (K blocks in pairs, each register set's next wgmma writing over its folded partial,
@@ -159,6 +168,8 @@ def _tile(a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, s
     mask_rows = rows < M
     a_scales = a_scale_ptr + rows.to(gl.int64) * stride_asm
     b_scale = b_scale_ptr + (pid_n * BLOCK_N // BLOCK_K).to(gl.int64) * stride_bsn
+    if GROUPED:  # this row block's expert's weight scales
+        b_scale += _expert(experts, pid_m, GROUPED).to(gl.int64) * experts[4]
     acc = gl.zeros([64, BLOCK_N], gl.float32, layout=mma)
     odd_done = gl.zeros([64, BLOCK_N], gl.float32, layout=mma)
     even = _issue(a_ring, b_ring, ready, it, gl.zeros([64, BLOCK_N], gl.float32, layout=mma), WG, NUM_STAGES)
@@ -188,6 +199,9 @@ def _tile(a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, s
         even_done = warpgroup_mma_wait(num_outstanding=0, deps=[even])
         _hand_back(empty, it + k_blocks - 1, NUM_STAGES)
         acc = _fold(acc, even_done, scale)
+    if GROUPED:  # each row's routing weight, by its pair (0 for padding rows)
+        pair = gl.load(experts[1] + rows, mask=mask_rows, other=experts[3])
+        acc = acc * gl.load(experts[2] + pair, mask=pair < experts[3], other=0.0)[:, None]
     if C_TMA:  # through this warpgroup's shared buffer, once the bulk store of its last tile has read it
         c_desc, c_bufs = c_out
         c_buf = c_bufs.index(WG)
@@ -205,8 +219,8 @@ def _tile(a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, s
 
 @gluon.jit
 def _consumer(a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, stride_asm, stride_bsn, k_blocks,
-              WG: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-              C_TMA: gl.constexpr):
+              experts, WG: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+              C_TMA: gl.constexpr, GROUPED: gl.constexpr):
     """Consumer warpgroup ``WG``: its 64 rows of each of this program's tiles, in the producer's order.
     ``c_out``: C's descriptor and the consumers' shared buffers (``C_TMA``), or its pointer and row stride."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
@@ -214,7 +228,7 @@ def _consumer(a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, 
     for tile in range(gl.program_id(0), _num_tiles(M, N, BLOCK_N), gl.num_programs(0)):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         _tile(a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, stride_asm, stride_bsn, pid_m,
-              pid_n, k_blocks, it, mma, WG, BLOCK_N, NUM_STAGES, C_TMA)
+              pid_n, k_blocks, it, experts, mma, WG, BLOCK_N, NUM_STAGES, C_TMA, GROUPED)
         it += k_blocks
     if C_TMA:
         tma.store_wait(0)  # the shared buffer outlives the last bulk store
@@ -225,13 +239,24 @@ def block_scaled_gemm_kernel_sm90_ws(
     a_desc, b_desc, c_ptr, a_scale_ptr, b_scale_ptr,
     M, N, K, stride_cm, stride_asm, stride_bsn,
     BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, c_desc=None, C_TMA: gl.constexpr = False,
+    rows_in_use_ptr=None, block_expert_ptr=None, sorted_ids_ptr=None, weights_ptr=None, num_pairs=0, stride_bse=0,
+    GROUPED: gl.constexpr = False,
 ):
     """Persistent: program ``p`` of ``P`` takes the ``128 x BLOCK_N`` tiles ``p, p + P, ...`` of C
     (``grid``; ordered by ``gemm_sm90.grouped_tile``), each over all K blocks, through one ring.
     ``a_desc``: boxes of ``[128, 128]`` over A ``[M, K]``; ``b_desc``: ``[BLOCK_N, 128]`` over B
-    ``[N, K]``, both 128-byte swizzled (``descriptors``)."""
+    ``[N, K]``, both 128-byte swizzled (``descriptors``).
+
+    ``GROUPED`` (the fused MoE's second GEMM, ``moe.ExpertRuns`` with 128-row runs): A's rows are
+    sorted by expert, and B ``[E * N, K]`` stacks the experts' weights; row block ``m`` takes
+    expert ``block_expert[m]``'s rows of B and of ``b_scale`` (``stride_bse`` apart), only the
+    ``rows_in_use[0]`` rows of runs are computed (``M`` bounds the descriptors), and each row of C
+    is multiplied by ``weights[sorted_ids[row]]`` (0 where that is ``num_pairs``, a padding row)."""
     gl.static_assert(gl.num_warps() == NUM_WARPS and BLOCK_N <= BLOCK_K and NUM_STAGES >= 2)
     k_blocks = gl.cdiv(K, BLOCK_K)
+    if GROUPED:
+        M = gl.load(rows_in_use_ptr)
+    experts = (block_expert_ptr, sorted_ids_ptr, weights_ptr, num_pairs, stride_bse)
 
     a_ring = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_ring = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
@@ -248,10 +273,11 @@ def block_scaled_gemm_kernel_sm90_ws(
 
     gl.warp_specialize([
         (_consumer, (a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, stride_asm, stride_bsn,
-                     k_blocks, 0, BLOCK_N, GROUP_M, NUM_STAGES, C_TMA)),
+                     k_blocks, experts, 0, BLOCK_N, GROUP_M, NUM_STAGES, C_TMA, GROUPED)),
         (_consumer, (a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, stride_asm, stride_bsn,
-                     k_blocks, 1, BLOCK_N, GROUP_M, NUM_STAGES, C_TMA)),
-        (_producer, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, k_blocks, BLOCK_N, GROUP_M, NUM_STAGES)),
+                     k_blocks, experts, 1, BLOCK_N, GROUP_M, NUM_STAGES, C_TMA, GROUPED)),
+        (_producer, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, k_blocks, experts, BLOCK_N, GROUP_M,
+                     NUM_STAGES, GROUPED)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 

@@ -32,13 +32,15 @@ import triton
 import triton.language as tl
 
 from ..fp8_format import FP8_DTYPES, fp8_grid
-from .gemm import SCALE_BLOCK, nearest_tuned, tuned_table
+from . import gemm_sm90_ws
+from .gemm import SCALE_BLOCK, nearest_tuned, require_sm90, tuned_table
 from .quant import QUANT_EPS, count_nonfinite, quantize_groups, quantize_per_token_group
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 16 if _INTERPRET else 64
 # The launch of both GEMMs: ``BLOCK_M`` (the alignment of each expert's run) and, per GEMM
-# (``gate_up``, ``down``), ``BLOCK_N``, ``num_warps`` and ``num_stages``.
+# (``gate_up``, ``down``), ``BLOCK_N``, ``num_warps`` and ``num_stages``; ``down`` may also name
+# ``"KERNEL": "sm90_ws"`` (Hopper, 128-row runs: ``gemm_sm90_ws`` grouped by expert).
 DEFAULT_CONFIG = {
     "BLOCK_M": BLOCK_M,
     "gate_up": {"BLOCK_N": 32 if _INTERPRET else 128, "num_warps": 4, "num_stages": 1 if _INTERPRET else 3},
@@ -275,6 +277,9 @@ def _moe_gemm(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pairs, weights,
     """``out [P, n]`` at the sorted rows of ``runs``. A's rows: tokens (``top_k`` pairs a token), or
     with ``top_k=None`` sorted rows. ``out_scale`` given: ``out`` (fp8) and ``out_scale`` take the
     output quantized per 128 columns, rounded to ``mid_dtype`` first."""
+    if launch.get("KERNEL") == "sm90_ws":
+        _moe_gemm_sm90_ws(a, a_scale, b, b_scale, out, runs, num_pairs, weights, top_k, gated, launch, out_scale)
+        return
     n, k = out.shape[1], b.shape[2]
     quant_out = out_scale is not None
     mant_bits, min_exp, fp8_max = fp8_grid(out.dtype) if quant_out else (0, 0, 0.0)
@@ -294,6 +299,34 @@ def _moe_gemm(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pairs, weights,
         ONE_SCALE=launch["BLOCK_N"] == SCALE_BLOCK and n % SCALE_BLOCK == 0,
         num_warps=launch["num_warps"], num_stages=launch["num_stages"],
         **({"maxnreg": launch["maxnreg"]} if "maxnreg" in launch else {}),  # a register cap: more programs an SM
+    )
+
+
+def _moe_gemm_sm90_ws(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pairs, weights, top_k, gated, launch,
+                      out_scale) -> None:
+    """The second GEMM on ``gemm_sm90_ws``'s warp-specialized Hopper kernel, grouped by expert: A's
+    sorted rows by bulk tensor copies, each 128-row run's expert's weights, C by bulk stores."""
+    block_m = runs.sorted_ids.shape[0] // runs.block_expert.shape[0]
+    if gated or top_k is not None or out_scale is not None:
+        raise ValueError("the sm90_ws MoE kernel is the second (down) GEMM's only: the gate/up launch has no "
+                         "\"KERNEL\" choice")
+    if block_m != gemm_sm90_ws.BLOCK_M.value:
+        raise ValueError(f"the sm90_ws MoE kernel takes runs of {gemm_sm90_ws.BLOCK_M.value} rows: the config's "
+                         f"BLOCK_M is {block_m}")
+    if not b.is_contiguous():
+        raise ValueError("the sm90_ws MoE kernel reads the experts' weights as one [E * N, K] matrix: they must be "
+                         f"contiguous, got strides {b.stride()}")
+    experts, n, k = b.shape
+    require_sm90(gemm_sm90_ws, dict(launch, BLOCK_M=block_m), a, b)
+    rows, block_n = out.shape[0], launch["BLOCK_N"]
+    c_desc = gemm_sm90_ws.out_descriptor(out, block_n)
+    gemm_sm90_ws.block_scaled_gemm_kernel_sm90_ws[gemm_sm90_ws.grid(rows, n, block_n, a.device)](
+        *gemm_sm90_ws.descriptors(a, b.view(experts * n, k), block_n), out, a_scale, b_scale, rows, n, k,
+        out.stride(0), a_scale.stride(0), b_scale.stride(1), BLOCK_N=block_n, GROUP_M=launch.get("GROUP_M", 8),
+        NUM_STAGES=launch["num_stages"], c_desc=c_desc, C_TMA=c_desc is not None, rows_in_use_ptr=runs.used_rows,
+        block_expert_ptr=runs.block_expert, sorted_ids_ptr=runs.sorted_ids, weights_ptr=weights,
+        num_pairs=num_pairs, stride_bse=b_scale.stride(0), GROUPED=True, num_warps=launch["num_warps"],
+        maxnreg=gemm_sm90_ws.MAXNREG,
     )
 
 

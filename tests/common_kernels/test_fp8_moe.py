@@ -12,6 +12,7 @@ import torch
 
 from common_kernels.fp8.moe import (
     BLOCK_M,
+    DEFAULT_CONFIG,
     align_by_expert,
     append_shared_experts,
     fused_moe_fp8,
@@ -231,6 +232,19 @@ def test_nonfinite_activations_are_counted():
     stats = torch.zeros(2, dtype=torch.int32)
     fused_moe_fp8(x, w13, s13, w2, s2, torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.int64), stats=stats)
     assert stats[1] >= 1
+
+
+@pytest.mark.parametrize("block_m, stage, error", [
+    (128, "down", "Hopper GPUs only"), (64, "down", "runs of 128 rows: the config's BLOCK_M is 64"),
+    (128, "gate_up", r"second \(down\) GEMM's only")])
+def test_ws_launches_it_cannot_take_are_named(block_m, stage, error):
+    """The warp-specialized down GEMM needs Hopper (here: the interpreter's CPU) and 128-row runs, and
+    the gate/up GEMM has no such kernel: each refusal names the problem before anything is launched."""
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(5, inter=256)
+    ws = {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": 4}
+    config = dict(DEFAULT_CONFIG, BLOCK_M=block_m, **{stage: ws})
+    with pytest.raises(ValueError, match=error):
+        fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=config)
 
 
 def test_bad_routing_is_named():
