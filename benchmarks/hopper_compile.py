@@ -173,7 +173,7 @@ def gemm_report(block_m: int, block_n: int, num_warps: int, num_stages: int, max
 def every_kernel_report() -> dict[str, HopperReport]:
     """Every launchable kernel of ``common_kernels`` at a DeepSeek-V3 launch (fp8 E4M3 where the
     kernel takes fp8), for a check that all of them compile for Hopper."""
-    from common_kernels.fp8 import gemm, gemm_sm90, gemm_sm90_ws, moe, norm_quant, quant, silu_mul_quant
+    from common_kernels.fp8 import gemm, gemm_sm90, gemm_sm90_ws, moe, moe_sm90_ws, norm_quant, quant, silu_mul_quant
     from common_kernels.mla import cache, decode, prefill
 
     bf16, fp8, f32, i32, i64 = torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32, torch.int64
@@ -255,6 +255,17 @@ def every_kernel_report() -> dict[str, HopperReport]:
         dict(BLOCK_N=128, GROUP_M=8, NUM_STAGES=6, C_TMA=True, GROUPED=True), gemm_sm90_ws.NUM_WARPS.value, 1,
         unaligned=("M", "stride_asm", "stride_bsn", "num_pairs", "stride_bse"), maxnreg=gemm_sm90_ws.MAXNREG,
         typed=dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc), c_desc=mangle_type(c_desc)))
+    # the fused MoE's gate/up GEMM, warp-specialized, at DeepSeek-V3 (2 x 2048 x 7168 experts), 128-row runs
+    a, w13 = torch.empty(49152, 7168, dtype=fp8), torch.empty(256, 4096, 7168, dtype=fp8)
+    a_desc, w_desc = moe_sm90_ws.descriptors(a, w13)
+    reports["moe gate/up gemm, sm90 ws, quantizing"] = compile_for_hopper(
+        moe_sm90_ws.moe_gate_up_kernel_sm90_ws,
+        dict(a_scale_ptr=f32, w_scale_ptr=f32, h_ptr=fp8, h_scale_ptr=f32, stats_ptr=i32, rows_in_use_ptr=i32,
+             sorted_ids_ptr=i32, block_expert_ptr=i32),
+        dict(RUN_ROWS=128, GROUP_M=8, NUM_STAGES=5, MID_DTYPE=tl.bfloat16, TRACK_STATS=True, **e4m3),
+        gemm_sm90_ws.NUM_WARPS.value, 1, floats=("eps",),
+        unaligned=("num_pairs", "stride_asm", "stride_wse", "stride_wsn", "stride_hsm"), maxnreg=gemm_sm90_ws.MAXNREG,
+        typed=dict(a_desc=mangle_type(a_desc), w_desc=mangle_type(w_desc)))
     reports["gemm split-k sum"] = compile_for_hopper(
         gemm._split_k_sum_kernel, dict(partial_ptr=f32, c_ptr=bf16), dict(SPLIT_K=4, BLOCK=1024), 4, 3,
         unaligned=("M",))

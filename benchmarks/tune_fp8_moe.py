@@ -4,8 +4,8 @@ For each shape of ``fp8_moe.SHAPES`` and each token count, every ``BLOCK_M`` (th
 expert's run) is tried with every launch of the gate/up GEMM (``BLOCK_N``, warps, stages) under the
 default down GEMM, then every launch of the down GEMM under the best gate/up one; from
 ``CAPPED_FROM_TOKENS`` tokens on, some under register caps too (``maxnreg``: more programs a
-multiprocessor), and on Hopper from ``WS_DOWN_FROM_TOKENS`` on, with 128-row runs, the down GEMM on
-the warp-specialized kernel (``WS_DOWN_LAUNCHES``). Each candidate's output is checked against the
+multiprocessor), and on Hopper from ``WS_FROM_TOKENS`` on the warp-specialized kernels
+(``WS_LAUNCHES``, at the run lengths they take). Each candidate's output is checked against the
 default launch's, and its CUDA-graph replay timed (the way engines run it; median, L2 flushed). The winners are written as the table ``common_kernels.fp8.moe`` reads
 (``configs/moe_<GPU name>.json``, or the file ``LATENTSPEED_FP8_MOE_CONFIGS`` names), with the
 time of each winner and of the default.
@@ -34,22 +34,26 @@ GEMM_LAUNCHES = [{"BLOCK_N": n, "num_warps": w, "num_stages": s} for n, w, s in 
 # 128 (8 warps) two, at 0-300 bytes of spills at the BLOCK_M they fit (benchmarks/hopper_compile.py's
 # "capped" moe reports).
 CAPPED_FROM_TOKENS = 1024
-# The down GEMM on the warp-specialized Hopper kernel (gemm_sm90_ws grouped by expert) needs 128-row runs,
-# which pad each expert's rows by up to 127: tried from this many tokens on, on sm_90 only.
-WS_DOWN_FROM_TOKENS = 256
-WS_DOWN_LAUNCHES = [{"KERNEL": "sm90_ws", "BLOCK_N": n, "num_warps": 4, "num_stages": s}
-                    for n, s in itertools.product((128, 64), (4, 6))]
+# The warp-specialized Hopper kernels (sm_90 only), from this many tokens on: gate/up on moe_sm90_ws
+# (64-row tiles; up to 5 stages of 40 KiB fit), down on gemm_sm90_ws grouped by expert (128-row runs).
+WS_FROM_TOKENS = 256
+WS_LAUNCHES = {
+    "gate_up": [{"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": s} for s in (3, 4, 5)],
+    "down": [{"KERNEL": "sm90_ws", "BLOCK_N": n, "num_warps": 4, "num_stages": s}
+             for n, s in itertools.product((128, 64), (4, 6))],
+}
+WS_BLOCK_M = {"gate_up": (64, 128), "down": (128,)}
 
 
-def gemm_launches(tokens: int, stage: str = "gate_up", block_m: int = 64):
+def gemm_launches(tokens: int, stage: str, block_m: int):
     yield from GEMM_LAUNCHES
     if tokens >= CAPPED_FROM_TOKENS:
         for launch in GEMM_LAUNCHES:
             if launch["BLOCK_N"] == 128 and launch["num_stages"] <= 3:
                 yield dict(launch, maxnreg=168 if launch["num_warps"] == 4 else 128)
-    if (stage == "down" and block_m == 128 and tokens >= WS_DOWN_FROM_TOKENS
-            and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-        yield from WS_DOWN_LAUNCHES
+    if (block_m in WS_BLOCK_M[stage] and tokens >= WS_FROM_TOKENS and torch.cuda.is_available()
+            and torch.cuda.get_device_capability() == (9, 0)):
+        yield from WS_LAUNCHES[stage]
 
 
 def time_config(run, config, reference):

@@ -32,15 +32,24 @@ import triton
 import triton.language as tl
 
 from ..fp8_format import FP8_DTYPES, fp8_grid
-from . import gemm_sm90_ws
+from . import gemm_sm90_ws, moe_sm90_ws
 from .gemm import SCALE_BLOCK, nearest_tuned, require_sm90, tuned_table
-from .quant import QUANT_EPS, count_nonfinite, quantize_groups, quantize_per_token_group
+from .moe_sm90_ws import silu_gate
+from .quant import (
+    GROUP_BLOCK_ROWS,
+    QUANT_EPS,
+    count_nonfinite,
+    group_tile,
+    quantize_groups,
+    quantize_per_token_group,
+)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 16 if _INTERPRET else 64
 # The launch of both GEMMs: ``BLOCK_M`` (the alignment of each expert's run) and, per GEMM
-# (``gate_up``, ``down``), ``BLOCK_N``, ``num_warps`` and ``num_stages``; ``down`` may also name
-# ``"KERNEL": "sm90_ws"`` (Hopper, 128-row runs: ``gemm_sm90_ws`` grouped by expert).
+# (``gate_up``, ``down``), ``BLOCK_N``, ``num_warps`` and ``num_stages``; either may also name
+# ``"KERNEL": "sm90_ws"``, a warp-specialized Hopper kernel: ``moe_sm90_ws`` for gate/up (64-row tiles,
+# ``BLOCK_N`` 128), ``gemm_sm90_ws`` grouped by expert for down (128-row runs).
 DEFAULT_CONFIG = {
     "BLOCK_M": BLOCK_M,
     "gate_up": {"BLOCK_N": 32 if _INTERPRET else 128, "num_warps": 4, "num_stages": 1 if _INTERPRET else 3},
@@ -235,7 +244,7 @@ def _moe_gemm_kernel(
             acc_up += _block_dot(a, a_s, b_expert, bs_expert, pid_n * BLOCK_N + N, offs_n + N, mask_n, offs_k, mask_k,
                                  kb, stride_bn, stride_bsn, BLOCK_K, ONE_SCALE)
     if GATED:
-        acc = acc * tl.sigmoid(acc) * acc_up
+        acc = silu_gate(acc, acc_up)
     if APPLY_WEIGHT:
         acc *= tl.load(weights_ptr + pair, mask=mask_m, other=0.0)[:, None]
     c = c_ptr + sorted_row[:, None] * stride_cm + offs_n[None, :]
@@ -278,7 +287,7 @@ def _moe_gemm(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pairs, weights,
     with ``top_k=None`` sorted rows. ``out_scale`` given: ``out`` (fp8) and ``out_scale`` take the
     output quantized per 128 columns, rounded to ``mid_dtype`` first."""
     if launch.get("KERNEL") == "sm90_ws":
-        _moe_gemm_sm90_ws(a, a_scale, b, b_scale, out, runs, num_pairs, weights, top_k, gated, launch, out_scale)
+        _moe_down_sm90_ws(a, a_scale, b, b_scale, out, runs, num_pairs, weights, launch)
         return
     n, k = out.shape[1], b.shape[2]
     quant_out = out_scale is not None
@@ -302,14 +311,10 @@ def _moe_gemm(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pairs, weights,
     )
 
 
-def _moe_gemm_sm90_ws(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pairs, weights, top_k, gated, launch,
-                      out_scale) -> None:
+def _moe_down_sm90_ws(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pairs, weights, launch) -> None:
     """The second GEMM on ``gemm_sm90_ws``'s warp-specialized Hopper kernel, grouped by expert: A's
     sorted rows by bulk tensor copies, each 128-row run's expert's weights, C by bulk stores."""
     block_m = runs.sorted_ids.shape[0] // runs.block_expert.shape[0]
-    if gated or top_k is not None or out_scale is not None:
-        raise ValueError("the sm90_ws MoE kernel is the second (down) GEMM's only: the gate/up launch has no "
-                         "\"KERNEL\" choice")
     if block_m != gemm_sm90_ws.BLOCK_M.value:
         raise ValueError(f"the sm90_ws MoE kernel takes runs of {gemm_sm90_ws.BLOCK_M.value} rows: the config's "
                          f"BLOCK_M is {block_m}")
@@ -328,6 +333,70 @@ def _moe_gemm_sm90_ws(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pairs, 
         num_pairs=num_pairs, stride_bse=b_scale.stride(0), GROUPED=True, num_warps=launch["num_warps"],
         maxnreg=gemm_sm90_ws.MAXNREG,
     )
+
+
+def _moe_gate_up_sm90_ws(a, a_scale, w13, w13_scale, h, h_scale, runs: ExpertRuns, num_pairs, launch, mid_dtype,
+                         stats) -> None:
+    """The first GEMM on ``moe_sm90_ws``'s warp-specialized Hopper kernel over the sorted A rows
+    (``quantize_to_sorted_rows``), ``h`` (E4M3) and ``h_scale`` quantized in its epilogue."""
+    block_m = runs.sorted_ids.shape[0] // runs.block_expert.shape[0]
+    experts, two_i, hidden = w13.shape
+    if block_m % moe_sm90_ws.ROWS.value:
+        raise ValueError(f"the sm90_ws gate/up kernel takes runs of a multiple of {moe_sm90_ws.ROWS.value} rows: "
+                         f"the config's BLOCK_M is {block_m}")
+    if two_i // 2 % SCALE_BLOCK or not w13.is_contiguous():
+        raise ValueError("the sm90_ws gate/up kernel needs contiguous W13 and an intermediate size that is a "
+                         f"multiple of {SCALE_BLOCK} (each tile's gate and up columns in one weight block), got "
+                         f"W13 {tuple(w13.shape)} with strides {w13.stride()}")
+    require_sm90(moe_sm90_ws, dict(launch, BLOCK_M=block_m), a, w13[0])
+    mant_bits, min_exp, fp8_max = fp8_grid(h.dtype)
+    moe_sm90_ws.moe_gate_up_kernel_sm90_ws[moe_sm90_ws.grid(h.shape[0], two_i // 2, a.device)](
+        *moe_sm90_ws.descriptors(a, w13), a_scale, w13_scale, h, h_scale, stats if stats is not None else a_scale,
+        runs.used_rows, runs.sorted_ids, runs.block_expert, num_pairs, two_i // 2, hidden, a_scale.stride(0),
+        w13_scale.stride(0), w13_scale.stride(1), h.stride(0), h_scale.stride(0), QUANT_EPS, RUN_ROWS=block_m,
+        GROUP_M=launch.get("GROUP_M", 8), NUM_STAGES=launch["num_stages"], MID_DTYPE=_TL_DTYPES[mid_dtype],
+        FP8_MAX=fp8_max, MANT_BITS=mant_bits, MIN_EXP=min_exp, TRACK_STATS=stats is not None,
+        num_warps=launch["num_warps"], maxnreg=gemm_sm90_ws.MAXNREG,
+    )
+
+
+@triton.jit
+def _quantize_to_sorted_rows_kernel(
+    x_ptr, position_ptr, q_ptr, scale_ptr, stats_ptr, tokens, hidden, num_rows, stride_x, stride_q, stride_s, eps,
+    TOP_K: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
+    MIN_EXP: tl.constexpr, TRACK_STATS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+):
+    """One group of ``BLOCK_ROWS`` tokens quantized once, stored at each of their pairs' sorted rows."""
+    rows, group, offs, mask = group_tile(tokens, hidden, GROUP, BLOCK_ROWS)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    y, scale = quantize_groups(x, eps, FP8_MAX, MANT_BITS, MIN_EXP, False)
+    y = y.to(q_ptr.dtype.element_ty)
+    for j in tl.static_range(TOP_K):
+        dest = tl.load(position_ptr + rows * TOP_K + j, mask=rows < tokens, other=num_rows).to(tl.int64)
+        taken = (dest < num_rows)[:, None]
+        tl.store(q_ptr + dest[:, None] * stride_q + offs[None, :], y, mask=mask & taken)
+        tl.store(scale_ptr + dest[:, None] * stride_s + group, scale, mask=taken)
+    if TRACK_STATS:
+        tl.atomic_add(stats_ptr + 1, count_nonfinite(x, mask))
+
+
+def quantize_to_sorted_rows(x: torch.Tensor, runs: ExpertRuns, top_k: int, stats: torch.Tensor | None = None):
+    """``quantize_per_token_group(x, 128)`` (the same values and scales, E4M3), each token's row stored
+    at the sorted rows of its ``top_k`` pairs: ``(q [P, H], scales [P, cdiv(H, 128)])`` with
+    ``P = runs.sorted_ids.shape[0]``. Rows of no pair (padding, past the runs, left-out pairs) are not
+    written. Non-finite inputs are counted once into ``stats[1]``. Reference: ``quantize_to_sorted_rows_ref``."""
+    tokens, hidden = x.shape
+    rows, groups = runs.sorted_ids.shape[0], triton.cdiv(hidden, SCALE_BLOCK)
+    q = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    mant_bits, min_exp, fp8_max = fp8_grid(q.dtype)
+    block_rows = min(GROUP_BLOCK_ROWS, triton.next_power_of_2(tokens))
+    _quantize_to_sorted_rows_kernel[(triton.cdiv(tokens, block_rows), groups)](
+        x, runs.position, q, scales, stats if stats is not None else scales, tokens, hidden, rows, x.stride(0),
+        q.stride(0), scales.stride(0), QUANT_EPS, TOP_K=top_k, GROUP=SCALE_BLOCK, FP8_MAX=fp8_max,
+        MANT_BITS=mant_bits, MIN_EXP=min_exp, TRACK_STATS=stats is not None, BLOCK_ROWS=block_rows,
+    )
+    return q, scales
 
 
 SUM_BLOCK_H = 64 if _INTERPRET else 1024  # columns a program of ``sum_slots``
@@ -355,6 +424,28 @@ def sum_slots(rows: torch.Tensor, position: torch.Tensor, tokens: int, top_k: in
     _sum_slots_kernel[grid](rows, position, out, rows.shape[0], rows.shape[1], rows.stride(0), out.stride(0),
                             TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_H=SUM_BLOCK_H)
     return out
+
+
+def _gated_intermediate(x, w13, w13_scale, runs: ExpertRuns, top_k, weights, launch: dict, stats):
+    """``silu(gate) * up`` at the sorted rows, quantized per row and 128 columns: ``(h [P, I] E4M3,
+    h_scale)``; the quantization is fused into the first GEMM where its tiles hold whole groups."""
+    (pairs, inter), rows = (runs.position.shape[0], w13.shape[1] // 2), runs.sorted_ids.shape[0]
+    if launch.get("KERNEL") == "sm90_ws" or launch["BLOCK_N"] % SCALE_BLOCK == 0:
+        h = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=x.device)
+        h_scale = torch.empty(rows, triton.cdiv(inter, SCALE_BLOCK), dtype=torch.float32, device=x.device)
+    if launch.get("KERNEL") == "sm90_ws":  # A by bulk copies: x quantized into the sorted rows
+        a, a_scale = quantize_to_sorted_rows(x, runs, top_k, stats)
+        _moe_gate_up_sm90_ws(a, a_scale, w13, w13_scale, h, h_scale, runs, pairs, launch, x.dtype, stats)
+        return h, h_scale
+    a, a_scale = quantize_per_token_group(x, SCALE_BLOCK, stats=stats)
+    if launch["BLOCK_N"] % SCALE_BLOCK == 0:
+        _moe_gemm(a, a_scale, w13, w13_scale, h, runs, pairs, weights, top_k, True, False, launch, out_scale=h_scale,
+                  mid_dtype=x.dtype, stats=stats)
+        return h, h_scale
+    hidden_act = x.new_empty(rows, inter)
+    _moe_gemm(a, a_scale, w13, w13_scale, hidden_act, runs, pairs, weights, top_k, True, False, launch)
+    # the rows past the runs were never written: the quantizer stops before them
+    return quantize_per_token_group(hidden_act, SCALE_BLOCK, stats=stats, rows_limit=runs.used_rows)
 
 
 def _validate(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_map, check_ids):
@@ -412,20 +503,7 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     ids = topk_ids if expert_map is None else expert_map[topk_ids.long()]
     runs = align_by_expert(ids, experts, config["BLOCK_M"])
     weights = topk_weights.flatten().float().contiguous()
-    a, a_scale = quantize_per_token_group(x.contiguous(), SCALE_BLOCK, stats=stats)
-    # silu(gate) * up at the sorted rows, fused into the first GEMM, and with it the intermediate's
-    # quantization where a tile holds whole 128-column groups.
-    pairs, inter, rows = tokens * top_k, two_i // 2, runs.sorted_ids.shape[0]
-    if config["gate_up"]["BLOCK_N"] % SCALE_BLOCK == 0:
-        h = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=x.device)
-        h_scale = torch.empty(rows, triton.cdiv(inter, SCALE_BLOCK), dtype=torch.float32, device=x.device)
-        _moe_gemm(a, a_scale, w13, w13_scale, h, runs, pairs, weights, top_k, True, False, config["gate_up"],
-                  out_scale=h_scale, mid_dtype=x.dtype, stats=stats)
-    else:  # the rows past the runs were never written: the quantizer stops before them
-        hidden_act = x.new_empty(rows, inter)
-        _moe_gemm(a, a_scale, w13, w13_scale, hidden_act, runs, pairs, weights, top_k, True, False,
-                  config["gate_up"])
-        h, h_scale = quantize_per_token_group(hidden_act, SCALE_BLOCK, stats=stats, rows_limit=runs.used_rows)
-    down = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    _moe_gemm(h, h_scale, w2, w2_scale, down, runs, pairs, weights, None, False, True, config["down"])
+    h, h_scale = _gated_intermediate(x.contiguous(), w13, w13_scale, runs, top_k, weights, config["gate_up"], stats)
+    down = torch.empty(runs.sorted_ids.shape[0], hidden, dtype=x.dtype, device=x.device)
+    _moe_gemm(h, h_scale, w2, w2_scale, down, runs, tokens * top_k, weights, None, False, True, config["down"])
     return sum_slots(down, runs.position, tokens, top_k)  # pairs left out (expert_map) add nothing

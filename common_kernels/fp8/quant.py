@@ -44,15 +44,25 @@ def scale_of(amax, eps, FP8_MAX: tl.constexpr, POW2_SCALE: tl.constexpr):
 
 
 @triton.jit
+def group_amax(x):
+    """The absolute maximum of ``x`` along its last axis, kept as 1 (NaN kept: ``max_nan``)."""
+    return tl.reduce(tl.abs(x), len(x.shape) - 1, max_nan, keep_dims=True)
+
+
+@triton.jit
+def quantize_by_scale(x, scale, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """``x / scale`` (fp32, correctly rounded: Triton's `/` is approximate on GPUs), clamped to the fp8
+    range and rounded to the fp8 grid, in fp32."""
+    return round_to_fp8_grid(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX), MANT_BITS, MIN_EXP)
+
+
+@triton.jit
 def quantize_groups(x, eps, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
                     POW2_SCALE: tl.constexpr):
     """``x`` (fp32) quantized per group along its last axis: ``(values on the fp8 grid in fp32,
-    scales)``, the scales with the last axis kept as 1. Correctly rounded divisions (Triton's `/` is
-    approximate on GPUs): bit-equal to the reference."""
-    amax = tl.reduce(tl.abs(x), len(x.shape) - 1, max_nan, keep_dims=True)
-    scale = scale_of(amax, eps, FP8_MAX, POW2_SCALE)
-    y = round_to_fp8_grid(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX), MANT_BITS, MIN_EXP)
-    return y, scale
+    scales)``, the scales with the last axis kept as 1; bit-equal to the reference."""
+    scale = scale_of(group_amax(x), eps, FP8_MAX, POW2_SCALE)
+    return quantize_by_scale(x, scale, FP8_MAX, MANT_BITS, MIN_EXP), scale
 
 
 @triton.jit

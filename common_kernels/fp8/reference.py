@@ -73,6 +73,20 @@ def align_by_expert_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, torch.where(block_expert >= num_experts, -1, block_expert).to(torch.int32), position, used_rows
 
 
+def quantize_to_sorted_rows_ref(x: torch.Tensor, position: torch.Tensor, rows: int, top_k: int):
+    """Same contract as ``quantize_to_sorted_rows`` for positions from ``align_by_expert``: ``(q, scales,
+    written)``, the rows no pair writes zero in ``q`` and ``scales`` and False in ``written [rows]``."""
+    q, scales = quantize_per_token_group_ref(x)
+    taken = position.long() < rows
+    dest, token = position.long()[taken], torch.arange(position.numel(), device=x.device)[taken] // top_k
+    q_sorted = torch.zeros(rows, x.shape[1], dtype=q.dtype, device=x.device)
+    scales_sorted = torch.zeros(rows, scales.shape[1], dtype=scales.dtype, device=x.device)
+    q_sorted[dest], scales_sorted[dest] = q[token], scales[token]
+    written = torch.zeros(rows, dtype=torch.bool, device=x.device)
+    written[dest] = True
+    return q_sorted, scales_sorted, written
+
+
 def sum_slots_ref(rows: torch.Tensor, position: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
     """Same contract as ``sum_slots``."""
     taken = position.long().view(tokens, top_k)

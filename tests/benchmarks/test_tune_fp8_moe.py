@@ -6,16 +6,16 @@ import torch
 from benchmarks.tune_fp8_moe import (
     CAPPED_FROM_TOKENS,
     GEMM_LAUNCHES,
-    WS_DOWN_FROM_TOKENS,
-    WS_DOWN_LAUNCHES,
+    WS_FROM_TOKENS,
+    WS_LAUNCHES,
     gemm_launches,
 )
-from common_kernels.fp8 import gemm_sm90_ws
+from common_kernels.fp8 import gemm_sm90_ws, moe_sm90_ws
 
 
 def test_register_caps_are_tried_from_many_tokens_on():
-    assert list(gemm_launches(CAPPED_FROM_TOKENS - 1)) == GEMM_LAUNCHES
-    launches = list(gemm_launches(CAPPED_FROM_TOKENS))
+    assert list(gemm_launches(CAPPED_FROM_TOKENS - 1, "down", 64)) == GEMM_LAUNCHES
+    launches = list(gemm_launches(CAPPED_FROM_TOKENS, "down", 64))
     capped = launches[len(GEMM_LAUNCHES):]
     assert launches[:len(GEMM_LAUNCHES)] == GEMM_LAUNCHES and len(capped) == 4
     for launch in capped:  # three programs of 4 warps a multiprocessor, or two of 8
@@ -24,15 +24,19 @@ def test_register_caps_are_tried_from_many_tokens_on():
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
-def test_ws_down_launches_are_tried_on_hopper_with_128_row_runs(monkeypatch, capability):
+def test_ws_launches_are_tried_on_hopper_at_the_runs_they_take(monkeypatch, capability):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: capability)
-    tokens = max(WS_DOWN_FROM_TOKENS, CAPPED_FROM_TOKENS)
-    plain = list(gemm_launches(tokens, "down", 64))
+    tokens = max(WS_FROM_TOKENS, CAPPED_FROM_TOKENS)
+    plain = list(gemm_launches(tokens, "down", 64))  # no warp-specialized kernel takes 64-row runs for down
     assert all("KERNEL" not in launch for launch in plain)
-    assert list(gemm_launches(tokens, "gate_up", 128)) == plain  # the gate/up GEMM has no such kernel
-    ws = list(gemm_launches(tokens, "down", 128))[len(plain):]
-    assert ws == (WS_DOWN_LAUNCHES if capability == (9, 0) else [])
-    assert list(gemm_launches(WS_DOWN_FROM_TOKENS - 1, "down", 128)) == list(gemm_launches(WS_DOWN_FROM_TOKENS - 1))
-    for launch in WS_DOWN_LAUNCHES:
+    hopper = capability == (9, 0)
+    for stage, block_m, expected in (("down", 128, WS_LAUNCHES["down"]), ("down", 64, []),
+                                     ("gate_up", 64, WS_LAUNCHES["gate_up"]),
+                                     ("gate_up", 128, WS_LAUNCHES["gate_up"]), ("gate_up", 32, [])):
+        assert list(gemm_launches(tokens, stage, block_m)) == plain + (expected if hopper else [])
+        assert list(gemm_launches(WS_FROM_TOKENS - 1, stage, block_m)) == GEMM_LAUNCHES
+    for launch in WS_LAUNCHES["down"]:
         assert gemm_sm90_ws.fits(dict(launch, BLOCK_M=128))
+    for launch in WS_LAUNCHES["gate_up"]:
+        assert moe_sm90_ws.fits(dict(launch, BLOCK_M=64))

@@ -16,12 +16,14 @@ from common_kernels.fp8.moe import (
     align_by_expert,
     append_shared_experts,
     fused_moe_fp8,
+    quantize_to_sorted_rows,
     sum_slots,
     untuned_config,
 )
 from common_kernels.fp8.reference import (
     align_by_expert_ref,
     fused_moe_fp8_ref,
+    quantize_to_sorted_rows_ref,
     quantize_weight_blocks_ref,
     sum_slots_ref,
 )
@@ -115,6 +117,24 @@ def test_align_by_expert_rows_fit_the_pairs(tokens, experts, top_k, block_m):
     runs_max = min(experts, ids.numel())
     assert runs.sorted_ids.numel() == -(-(ids.numel() + runs_max * (block_m - 1)) // block_m) * block_m
     assert int(runs.used_rows) == block_m * sum(-(-int((ids == e).sum()) // block_m) for e in range(experts))
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, hidden", [(1, 4, 1, 128), (21, 6, 3, 200), (40, 9, 8, 384)])
+def test_quantize_to_sorted_rows_matches_reference(tokens, experts, top_k, hidden):
+    """Each token's quantized row (``quantize_per_token_group``'s codes and scales, bit for bit) at each of
+    its pairs' sorted rows; pairs of another rank write nothing; a NaN is counted once, not once a pair."""
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    ids[ids == 2] = -1  # another rank's expert
+    runs = align_by_expert(ids, experts, 16)
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16) * torch.logspace(-2, 2, hidden).to(torch.bfloat16)
+    x[0, 3] = float("nan")
+    stats = torch.zeros(2, dtype=torch.int32)
+    q, scales = quantize_to_sorted_rows(x, runs, top_k, stats)
+    q_ref, scales_ref, written = quantize_to_sorted_rows_ref(x, runs.position, runs.sorted_ids.numel(), top_k)
+    assert written.sum() == (ids >= 0).sum() and stats.tolist() == [0, 1]
+    torch.testing.assert_close(scales[written], scales_ref[written], atol=0, rtol=0, equal_nan=True)
+    finite = scales.isfinite().repeat_interleave(128, dim=1)[:, :hidden] & written[:, None]  # a NaN scale's codes
+    assert torch.equal(q.view(torch.uint8)[finite], q_ref.view(torch.uint8)[finite])      # are not the contract
 
 
 @pytest.mark.parametrize("tokens, top_k, hidden", [(1, 1, 64), (5, 3, 200), (9, 8, 130)])
@@ -234,13 +254,16 @@ def test_nonfinite_activations_are_counted():
     assert stats[1] >= 1
 
 
-@pytest.mark.parametrize("block_m, stage, error", [
-    (128, "down", "Hopper GPUs only"), (64, "down", "runs of 128 rows: the config's BLOCK_M is 64"),
-    (128, "gate_up", r"second \(down\) GEMM's only")])
-def test_ws_launches_it_cannot_take_are_named(block_m, stage, error):
-    """The warp-specialized down GEMM needs Hopper (here: the interpreter's CPU) and 128-row runs, and
-    the gate/up GEMM has no such kernel: each refusal names the problem before anything is launched."""
-    x, w13, s13, w2, s2, weights, ids = moe_inputs(5, inter=256)
+@pytest.mark.parametrize("block_m, stage, inter, error", [
+    (128, "down", 256, "Hopper GPUs only"), (64, "down", 256, "runs of 128 rows: the config's BLOCK_M is 64"),
+    (64, "gate_up", 256, "Hopper GPUs only"),
+    (32, "gate_up", 256, "runs of a multiple of 64 rows: the config's BLOCK_M is 32"),
+    (64, "gate_up", 192, "intermediate size that is a multiple of 128")])
+def test_ws_launches_it_cannot_take_are_named(block_m, stage, inter, error):
+    """The warp-specialized GEMMs need Hopper (here: the interpreter's CPU), runs of 128 rows (down) or
+    a multiple of 64 (gate/up), and whole weight blocks of gate and up columns: each refusal names the
+    problem before the kernel is launched."""
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(5, inter=inter)
     ws = {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": 4}
     config = dict(DEFAULT_CONFIG, BLOCK_M=block_m, **{stage: ws})
     with pytest.raises(ValueError, match=error):

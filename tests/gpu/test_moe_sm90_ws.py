@@ -1,16 +1,19 @@
-"""The fused MoE's down GEMM on the warp-specialized Hopper kernel (``gemm_sm90_ws`` grouped by expert,
-``"down": {"KERNEL": "sm90_ws", ...}``) on an sm_90 GPU: against the reference, and against the same
-launch with the Triton down GEMM (the same intermediate, so only the second GEMM differs).
+"""The fused MoE's warp-specialized Hopper GEMMs on an sm_90 GPU: gate/up on ``moe_sm90_ws`` (x quantized
+into the sorted rows, the intermediate quantized in the epilogue) and down on ``gemm_sm90_ws`` grouped by
+expert, each selected by ``"KERNEL": "sm90_ws"``: against the reference, and against the same runs with
+the Triton kernels (gate/up with its quantizing epilogue).
 
     pytest tests/gpu/test_moe_sm90_ws.py -q          (skipped without an sm_90 GPU)
 
-Shapes: ragged token counts (runs of 1 to several 128-row blocks, experts with no token), H = 192
-(a 128-row box of one expert's weights reaches into the next expert's: its columns past H must not
-be stored), I = 192 (a partial last K block), H = 196 (C rows not 16-byte aligned: stores from
-registers), a rank of expert parallelism, and DeepSeek-V3's expert sizes with more tiles than the
-H200 has multiprocessors. Tolerances: the CPU tests' against the reference
-(``tests/common_kernels/test_fp8_moe.py``), and the block GEMM's against the Triton launch
-(``test_gemm_sm90.py``: about 1e-3 of the largest output, from the wgmma's fp8 accumulator).
+Shapes: ragged token counts (runs of one to several row blocks, experts with no token), H = 192
+(a 128-row box of one expert's down weights reaches into the next expert's: its columns past H must
+not be stored), I = 192 for the down GEMM alone (a partial last K block; the gate/up kernel needs
+I % 128 == 0), H = 196 (C rows not 16-byte aligned: down stores from registers; the gate/up kernel's
+A rows need H % 16 == 0), a rank of expert parallelism, and DeepSeek-V3's expert sizes with more
+tiles than the H200 has multiprocessors. Tolerances: the CPU tests' against the reference
+(``tests/common_kernels/test_fp8_moe.py``), and the block GEMM's against the Triton kernels
+(``test_gemm_sm90.py``: about 1e-3 of the largest output, from the wgmma's fp8 accumulator; the
+intermediate is quantized again after it, which the outlier allowance covers).
 """
 
 import pytest
@@ -22,10 +25,15 @@ from tests.helpers import assert_close
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                                 reason="needs an sm_90 GPU")
-GATE_UP = {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+WS = {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": 4}
 WS_DOWNS = [{"KERNEL": "sm90_ws", "BLOCK_N": bn, "num_warps": 4, "num_stages": stages}
             for bn in (128, 64) for stages in (2, 6)]
-
+TRITON = {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+# (BLOCK_M, gate/up, down) with at least one warp-specialized GEMM; the first is DeepSeek-V3's candidate
+PAIRS = {"both": (128, WS, WS_DOWNS[1]), "gate_up_64_rows": (64, WS, TRITON),
+         "gate_up_2_stages": (128, dict(WS, num_stages=2), TRITON),
+         "gate_up_5_stages": (128, dict(WS, num_stages=5), WS_DOWNS[0])}
+PAIRS |= {f"down_{d['BLOCK_N']}_s{d['num_stages']}": (128, TRITON, d) for d in WS_DOWNS}
 
 def expert_weights(experts, rows, cols, std=0.05):
     pairs = [quantize_weight_blocks_ref(torch.randn(rows, cols, device="cuda") * std) for _ in range(experts)]
@@ -41,28 +49,42 @@ def moe_inputs(tokens, experts, hidden, inter, top_k, std=0.05):
     return torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16), w13, s13, w2, s2, weights, ids
 
 
-def both_downs(down, *inputs, **kwargs):
-    """The MoE with ``down`` and with the Triton down GEMM at the same 128-row runs and gate/up launch."""
-    ws = {"BLOCK_M": 128, "gate_up": GATE_UP, "down": down}
-    triton_down = dict(ws, down={"BLOCK_N": 128, "num_warps": 4, "num_stages": 3})
-    return [fused_moe_fp8(*inputs, config=config, **kwargs) for config in (ws, triton_down)]
+def against_triton(pair, *inputs, **kwargs):
+    """The MoE with ``PAIRS[pair]`` and with the Triton kernels at the same runs."""
+    block_m, gate_up, down = PAIRS[pair]
+    configs = ({"BLOCK_M": block_m, "gate_up": gate_up, "down": down},
+               {"BLOCK_M": block_m, "gate_up": TRITON, "down": TRITON})
+    return [fused_moe_fp8(*inputs, config=config, **kwargs) for config in configs]
 
 
-@pytest.mark.parametrize("down", WS_DOWNS, ids=lambda d: f"{d['BLOCK_N']}-s{d['num_stages']}")
+def assert_matches(ours, triton_out, expected, name):
+    rows = expected.shape[0]
+    assert_close(ours[:rows], expected, atol=2e-2, rtol=2e-2, name=name, outliers=1e-3, outlier_tol=0.1)
+    assert_close(ours, triton_out, atol=2e-3 * triton_out.abs().max().item(), rtol=1e-2, name=f"{name} vs triton",
+                 outliers=1e-3, outlier_tol=0.1)
+
+
+@pytest.mark.parametrize("pair", PAIRS)
 @pytest.mark.parametrize("tokens, experts, hidden, inter, top_k",
-                         [(1, 8, 256, 256, 2), (37, 8, 192, 192, 2), (300, 8, 256, 256, 3), (700, 5, 196, 128, 2)])
-def test_ws_down_matches_reference_and_triton(down, tokens, experts, hidden, inter, top_k):
+                         [(1, 8, 256, 256, 2), (37, 8, 192, 256, 2), (300, 8, 256, 128, 3), (700, 5, 256, 384, 2)])
+def test_matches_reference_and_triton(pair, tokens, experts, hidden, inter, top_k):
     x, w13, s13, w2, s2, weights, ids = moe_inputs(tokens, experts, hidden, inter, top_k)
     ids, weights = append_shared_experts(ids, weights, first_shared=experts - 1, num_shared=1)
-    ours, triton_down = both_downs(down, x, w13, s13, w2, s2, weights, ids)
+    ours, triton_out = against_triton(pair, x, w13, s13, w2, s2, weights, ids)
     rows = min(tokens, 40)  # the reference loops in Python
     expected = fused_moe_fp8_ref(x[:rows], w13, s13, w2, s2, weights[:rows], ids[:rows])
-    assert_close(ours[:rows], expected, atol=2e-2, rtol=2e-2, name="moe, ws down", outliers=1e-3, outlier_tol=0.1)
-    atol = 2e-3 * triton_down.abs().max().item()
-    assert_close(ours, triton_down, atol=atol, rtol=1e-2, name="ws down vs triton down")
+    assert_matches(ours, triton_out, expected, pair)
 
 
-def test_ws_down_on_an_expert_parallel_rank():
+@pytest.mark.parametrize("hidden, inter", [(192, 192), (196, 128)])
+def test_ws_down_partial_blocks_and_unaligned_rows(hidden, inter):
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(300, 6, hidden, inter, 2)
+    ours, triton_out = against_triton("down_128_s6", x, w13, s13, w2, s2, weights, ids)
+    assert_matches(ours, triton_out, fused_moe_fp8_ref(x[:30], w13, s13, w2, s2, weights[:30], ids[:30]), "down")
+
+
+@pytest.mark.parametrize("pair", ["both", "gate_up_64_rows"])
+def test_on_an_expert_parallel_rank(pair):
     """Pairs routed to other ranks leave their rows out; the rows of runs are the device's count only."""
     hidden, inter, top_k, tokens = 256, 256, 3, 90
     w13, s13 = expert_weights(3, 2 * inter, hidden)
@@ -70,25 +92,33 @@ def test_ws_down_on_an_expert_parallel_rank():
     expert_map = torch.tensor([-1, 0, -1, 1, 2, -1], dtype=torch.int32, device="cuda")
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     weights, ids = torch.softmax(torch.randn(tokens, 6, device="cuda"), -1).topk(top_k, dim=-1)
-    ours, triton_down = both_downs(WS_DOWNS[0], x, w13, s13, w2, s2, weights, ids, expert_map=expert_map)
+    ours, triton_out = against_triton(pair, x, w13, s13, w2, s2, weights, ids, expert_map=expert_map)
     expected = fused_moe_fp8_ref(x[:30], w13, s13, w2, s2, weights[:30], ids[:30], expert_map=expert_map)
-    assert_close(ours[:30], expected, atol=2e-2, rtol=2e-2, name="ep, ws down", outliers=1e-3, outlier_tol=0.1)
-    assert_close(ours, triton_down, atol=2e-3 * triton_down.abs().max().item(), rtol=1e-2, name="ep ws vs triton")
+    assert_matches(ours, triton_out, expected, f"ep, {pair}")
+
+
+def test_padding_rows_holding_nan_stay_out():
+    """The sorted A rows of padding are never written: with NaN bytes left there by an earlier tensor,
+    the intermediate's padding rows are still zeros, the outputs right and the guard silent; an
+    infinite weight scale in one expert is counted."""
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(50, 8, 256, 256, 2)
+    stale = torch.full((1 << 26,), 0xFF, dtype=torch.uint8, device="cuda")  # E4M3 NaN everywhere
+    del stale
+    stats = torch.zeros(2, dtype=torch.int32, device="cuda")
+    ours, triton_out = against_triton("both", x, w13, s13, w2, s2, weights, ids, stats=stats)
+    assert stats.tolist() == [0, 0]
+    assert_matches(ours, triton_out, fused_moe_fp8_ref(x[:20], w13, s13, w2, s2, weights[:20], ids[:20]), "padding")
+    s13[ids[0, 0], 0, 0] = float("inf")
+    fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, stats=stats, config=dict(zip(("BLOCK_M", "gate_up", "down"),
+                                                                                  PAIRS["both"])))
+    assert stats[1] > 0
 
 
 @pytest.mark.parametrize("tokens", [64, 4096])
-def test_ws_down_deepseek_experts(tokens):
-    """32 of DeepSeek-V3's experts (hidden 7168, intermediate 2048), top 8: at 4096 tokens about 300
-    row blocks of 128 times 56 column tiles, several tiles a persistent program."""
+def test_deepseek_experts(tokens):
+    """32 of DeepSeek-V3's experts (hidden 7168, intermediate 2048), top 8: at 4096 tokens hundreds of
+    row blocks times 16 (gate/up) and 56 (down) column tiles, several tiles a persistent program."""
     x, w13, s13, w2, s2, weights, ids = moe_inputs(tokens, 32, 7168, 2048, 8, std=0.02)
-    ours, triton_down = both_downs(WS_DOWNS[1], x, w13, s13, w2, s2, weights, ids)
+    ours, triton_out = against_triton("both", x, w13, s13, w2, s2, weights, ids)
     expected = fused_moe_fp8_ref(x[:8], w13, s13, w2, s2, weights[:8], ids[:8])
-    assert_close(ours[:8], expected, atol=2e-2, rtol=2e-2, name="deepseek moe, ws down")
-    assert_close(ours, triton_down, atol=2e-3 * triton_down.abs().max().item(), rtol=1e-2, name="ws vs triton")
-
-
-def test_ws_gate_up_is_refused():
-    x, w13, s13, w2, s2, weights, ids = moe_inputs(4, 4, 256, 256, 2)
-    config = {"BLOCK_M": 128, "gate_up": WS_DOWNS[0], "down": WS_DOWNS[0]}
-    with pytest.raises(ValueError, match="second \\(down\\) GEMM's only"):
-        fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=config)
+    assert_matches(ours, triton_out, expected, "deepseek moe")
