@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke clocks kernels ncu bench bench-small paired-check tune-gemm tune-moe fp8-bench fp8-bench-graph moe-bench producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke clocks kernels ncu bench bench-small paired-check tune-gemm tune-moe fp8-bench fp8-bench-graph moe-bench moe-ws producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
 #                                         bundle on PYTHONPATH), fp8-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8 sglang-e2e-w8-fused
 #                                         sglang-ct-e2e sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         refmodel (train the reference model; no engine needed),
@@ -97,6 +97,12 @@ for step in "$@"; do
     moe-bench)
       python3 benchmarks/fp8_moe.py --out "$out/fp8_moe.json" 2>&1 | tee "$out/moe-bench.log" | tail -n 40 \
         && python3 benchmarks/fp8_moe.py --cuda-graph --out "$out/fp8_moe_graph.json" 2>&1 | tee -a "$out/moe-bench.log" | tail -n 40 ;;
+    moe-ws)  # the fused MoE's warp-specialized Hopper GEMMs: their GPU tests, then both on them against the table
+      # and vLLM as CUDA-graph replays (fp8_moe.py --ws); no engine needed for the tests
+      python3 -m pytest -q -p no:warnings -rf --tb=short tests/gpu/test_moe_sm90_ws.py 2>&1 | tail -n 30 \
+        | tee "$out/moe-ws-tests.log"
+      python3 benchmarks/fp8_moe.py --cuda-graph --ws --tokens 256 1024 4096 --out "$out/fp8_moe_ws.json" 2>&1 \
+        | tee "$out/moe-ws.log" | grep -E '^\{|Error' | tail -n 40 ;;
     producers-bench)  # RMSNorm / SiLU-and-mul + group quantization: latentspeed's fused kernels against vLLM's
       python3 -m benchmarks.fp8_producers --out "$out/fp8_producers.json" 2>&1 | tee "$out/producers-bench.log" | tail -n 40 ;;
     vllm-guard)  # LATENTSPEED_FP8_GUARD=raise under FLASHMLA with latentspeed_fp8: the logits processor stops the engine
