@@ -163,6 +163,9 @@ def quantize_per_token_group(
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be a [M, K] tensor with a contiguous last dim, got {tuple(x.shape)}")
     check_group_format(group_size, fp8_dtype)
+    if rows_limit is not None and (not isinstance(rows_limit, torch.Tensor) or rows_limit.dtype != torch.int32
+                                   or rows_limit.numel() != 1 or rows_limit.device != x.device):
+        raise ValueError(f"rows_limit must be an int32 tensor of one element on {x.device}, got {rows_limit!r}")
     rows, cols = x.shape
     groups = triton.cdiv(cols, group_size)
     q = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)

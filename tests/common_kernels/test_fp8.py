@@ -60,6 +60,12 @@ def test_group_quant_stops_at_a_device_row_limit(limit):
         assert torch.equal(q[:limit].view(torch.uint8), q_ref.view(torch.uint8))
 
 
+@pytest.mark.parametrize("limit", [7, torch.tensor([7]), torch.tensor([7, 8], dtype=torch.int32)])
+def test_group_quant_row_limit_must_be_one_device_int32(limit):
+    with pytest.raises(ValueError, match="rows_limit must be an int32 tensor of one element"):
+        quantize_per_token_group(torch.randn(9, 128, device=device()), 128, rows_limit=limit)
+
+
 @pytest.mark.parametrize("fp8_name", FP8.keys())
 @pytest.mark.parametrize("shape", [(5, 3000), (1, 7), (4, 1024)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("pow2_scale", [False, True], ids=["scale", "pow2_scale"])
