@@ -4,7 +4,8 @@ multiply.
 Same contract as ``gemm._block_scaled_gemm_kernel`` without K splits (the ``gemm`` module docstring
 has the formula): ``C [M, N] = sum_kb a_scale[:, kb] * b_scale[:, kb] * A[:, kb] B[:, kb]^T``, one
 fp32 partial per 128-wide K block, scaled before it joins the fp32 accumulator. A tuned table
-selects it per shape with ``"KERNEL": "sm90_ws"``.
+selects it per shape with ``"KERNEL": "sm90_ws"``. Grouped by expert (``GROUPED``, the kernel's
+docstring) it is also the fused MoE's second GEMM (``moe._moe_down_sm90_ws``; not yet run on a GPU).
 
 Why a third kernel: the Triton kernel and ``gemm_sm90`` stop at 620-760 TFLOP/s on the H200 where
 DeepGEMM reaches 1200-1330 (``benchmarks/notes.md``). ncu put 20 % of the Triton kernel's stall
