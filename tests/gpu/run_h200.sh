@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke clocks kernels ncu bench bench-small paired-check tune-gemm tune-moe fp8-bench fp8-bench-graph moe-bench moe-ws producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke clocks kernels ncu bench bench-small paired-check tune-gemm tune-moe fp8-bench fp8-bench-graph moe-bench moe-ws moe-gemms producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
 #                                         bundle on PYTHONPATH), fp8-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8 sglang-e2e-w8-fused
 #                                         sglang-ct-e2e sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         refmodel (train the reference model; no engine needed),
@@ -103,6 +103,10 @@ for step in "$@"; do
         | tee "$out/moe-ws-tests.log"
       python3 benchmarks/fp8_moe.py --cuda-graph --ws --tokens 256 1024 4096 --out "$out/fp8_moe_ws.json" 2>&1 \
         | tee "$out/moe-ws.log" | grep -E '^\{|Error' | tail -n 40 ;;
+    moe-gemms)  # the MoE's two expert GEMMs alone on one set of sorted rows: ours (ws, Triton) against DeepGEMM's
+      # grouped contiguous GEMM, as CUDA-graph replays (vLLM bundle: DeepGEMM comes with it)
+      python3 -m benchmarks.fp8_moe_gemms --out "$out/fp8_moe_gemms.json" 2>&1 | tee "$out/moe-gemms.log" \
+        | grep -E '^\{|Error|unavailable' | tail -n 40 ;;
     producers-bench)  # RMSNorm / SiLU-and-mul + group quantization: latentspeed's fused kernels against vLLM's
       python3 -m benchmarks.fp8_producers --out "$out/fp8_producers.json" 2>&1 | tee "$out/producers-bench.log" | tail -n 40 ;;
     vllm-guard)  # LATENTSPEED_FP8_GUARD=raise under FLASHMLA with latentspeed_fp8: the logits processor stops the engine
