@@ -135,17 +135,17 @@ def _row_scales(a_scales, gate_scale, up_scale, kb):
 
 
 @gluon.jit
-def _tile(a_ring, g_ring, u_ring, ready, empty, amax_bufs, amax_ready, a_scale_ptr, w_scale_ptr, h_ptr, h_scale_ptr,
-          stats_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, inter, stride_asm, stride_wse, stride_wsn, stride_hm,
-          stride_hsm, eps, pid_m, pid_n, k_blocks, it, t, mma: gl.constexpr, WG: gl.constexpr,
-          RUN_ROWS: gl.constexpr, NUM_STAGES: gl.constexpr, MID_DTYPE: gl.constexpr, FP8_MAX: gl.constexpr,
-          MANT_BITS: gl.constexpr, MIN_EXP: gl.constexpr, TRACK_STATS: gl.constexpr):
-    """Columns ``64 WG ..`` of tile ``(pid_m, pid_n)`` (the program's ``t``-th), whose first K block is
-    the ring's block ``it``: every K block's two wgmma, folded, then the quantized gated product."""
+def _gate_up_products(ring, ready, empty, scales, expert, pid_m, pid_n, inter, k_blocks, it, mma: gl.constexpr,
+                      WG: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """``(gate, up)``: columns ``64 WG ..`` of tile ``(pid_m, pid_n)`` of both products, whose first K
+    block is the ring's block ``it``, each K block's partial folded with its scales. Two K blocks in
+    flight, as in ``gemm_sm90`` (K blocks in pairs, each register set's next wgmma writing over its
+    folded partial, the folds volatile): a K block's folds run under the next one's wgmma."""
+    a_ring, g_ring, u_ring = ring
+    a_scale_ptr, stride_asm, w_scale_ptr, stride_wse, stride_wsn = scales
     rows = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
-    cols = pid_n * BLOCK_N + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, mma))
     a_scales = a_scale_ptr + rows.to(gl.int64) * stride_asm
-    w_scales = w_scale_ptr + _expert(block_expert_ptr, pid_m, RUN_ROWS).to(gl.int64) * stride_wse
+    w_scales = w_scale_ptr + expert.to(gl.int64) * stride_wse
     gate_scale = w_scales + pid_n * stride_wsn
     up_scale = w_scales + (inter // BLOCK_K + pid_n) * stride_wsn
     zeros = gl.zeros([ROWS, 64], gl.float32, layout=mma)
@@ -185,45 +185,54 @@ def _tile(a_ring, g_ring, u_ring, ready, empty, amax_bufs, amax_ready, a_scale_p
         _hand_back(empty, it + k_blocks - 1, NUM_STAGES)
         acc_g = _fold(acc_g, done_g, scale_g)
         acc_u = _fold(acc_u, done_u, scale_u)
+    return acc_g, acc_u
 
-    # the gated product as MID_DTYPE holds it; padding rows zero, whatever A held there
+
+@gluon.jit
+def _store_quantized(gate, up, exchange, out, sorted_ids_ptr, num_pairs, pid_m, pid_n, inter, t, mma: gl.constexpr,
+                     WG: gl.constexpr, QUANT: gl.constexpr):
+    """``silu(gate) * up`` of this consumer's 64 columns of the program's ``t``-th tile, as
+    ``MID_DTYPE`` holds it (padding rows zero, whatever A held there), quantized with each row's
+    maximum over the tile's 128 columns: the other consumer's 64 come through ``exchange``."""
+    h_ptr, stride_hm, h_scale_ptr, stride_hsm, stats_ptr, eps = out
+    amax_bufs, amax_ready = exchange
+    MID_DTYPE: gl.constexpr = QUANT[0]
+    FP8_MAX: gl.constexpr = QUANT[1]
+    rows = pid_m * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
+    cols = pid_n * BLOCK_N + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, mma))
     real = gl.load(sorted_ids_ptr + rows) < num_pairs
-    h = gl.where(real[:, None], silu_gate(acc_g, acc_u), 0.0).to(MID_DTYPE).to(gl.float32)
-    # each row's maximum over the tile's 128 columns (NaN kept, as quant.group_amax): this consumer's
-    # 64, then the other's
-    amax = gl.reduce(gl.abs(h), 1, max_nan)
+    h = gl.where(real[:, None], silu_gate(gate, up), 0.0).to(MID_DTYPE).to(gl.float32)
+    amax = gl.reduce(gl.abs(h), 1, max_nan)  # NaN kept, as quant.group_amax
     amax_bufs.index(t % 2 * 2 + WG).store(amax)
     gl.thread_barrier()
     mbarrier.arrive(amax_ready, count=1)
     mbarrier.wait(amax_ready, t & 1)
     other = amax_bufs.index(t % 2 * 2 + 1 - WG).load(gl.SliceLayout(1, mma))
     scale = scale_of(max_nan(amax, other), eps, FP8_MAX, False)
-    y = quantize_by_scale(h, scale[:, None], FP8_MAX, MANT_BITS, MIN_EXP)
+    y = quantize_by_scale(h, scale[:, None], FP8_MAX, QUANT[2], QUANT[3])
     mask_cols = (cols < inter)[None, :]
     gl.store(h_ptr + rows.to(gl.int64)[:, None] * stride_hm + cols[None, :], y.to(h_ptr.dtype.element_ty),
              mask=mask_cols)
     if WG == 0:
         gl.store(h_scale_ptr + rows.to(gl.int64) * stride_hsm + pid_n, scale)
-    if TRACK_STATS:
+    if QUANT[4]:  # the guard's non-finite count, real rows only
         gl.atomic_add(stats_ptr + 1, count_nonfinite(h, real[:, None] & mask_cols))
 
 
 @gluon.jit
-def _consumer(a_ring, g_ring, u_ring, ready, empty, amax_bufs, amax_ready, a_scale_ptr, w_scale_ptr, h_ptr,
-              h_scale_ptr, stats_ptr, sorted_ids_ptr, block_expert_ptr, M, num_pairs, inter, k_blocks, stride_asm,
-              stride_wse, stride_wsn, stride_hm, stride_hsm, eps, WG: gl.constexpr, RUN_ROWS: gl.constexpr,
-              GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, MID_DTYPE: gl.constexpr, FP8_MAX: gl.constexpr,
-              MANT_BITS: gl.constexpr, MIN_EXP: gl.constexpr, TRACK_STATS: gl.constexpr):
-    """Consumer warpgroup ``WG``: its 64 gate and up columns of each of this program's tiles."""
+def _consumer(ring, ready, empty, exchange, scales, out, sorted_ids_ptr, block_expert_ptr, M, num_pairs, inter,
+              k_blocks, WG: gl.constexpr, RUN_ROWS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+              QUANT: gl.constexpr):
+    """Consumer warpgroup ``WG``: its 64 gate and up columns of each of this program's tiles.
+    ``QUANT``: ``(MID_DTYPE, FP8_MAX, MANT_BITS, MIN_EXP, TRACK_STATS)``."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
     it = 0
     t = 0
     for tile in range(gl.program_id(0), _num_tiles(M, inter), gl.num_programs(0)):
         pid_m, pid_n = grouped_tile(tile, M, inter, ROWS, BLOCK_N, GROUP_M)
-        _tile(a_ring, g_ring, u_ring, ready, empty, amax_bufs, amax_ready, a_scale_ptr, w_scale_ptr, h_ptr,
-              h_scale_ptr, stats_ptr, sorted_ids_ptr, block_expert_ptr, num_pairs, inter, stride_asm, stride_wse,
-              stride_wsn, stride_hm, stride_hsm, eps, pid_m, pid_n, k_blocks, it, t, mma, WG, RUN_ROWS, NUM_STAGES,
-              MID_DTYPE, FP8_MAX, MANT_BITS, MIN_EXP, TRACK_STATS)
+        gate, up = _gate_up_products(ring, ready, empty, scales, _expert(block_expert_ptr, pid_m, RUN_ROWS), pid_m,
+                                     pid_n, inter, k_blocks, it, mma, WG, NUM_STAGES)
+        _store_quantized(gate, up, exchange, out, sorted_ids_ptr, num_pairs, pid_m, pid_n, inter, t, mma, WG, QUANT)
         it += k_blocks
         t += 1
 
@@ -257,15 +266,16 @@ def moe_gate_up_kernel_sm90_ws(
     mbarrier.init(amax_ready, count=2)
     fence_async_shared()
 
+    ring = (a_ring, g_ring, u_ring)
+    exchange = (amax_bufs, amax_ready)
+    scales = (a_scale_ptr, stride_asm, w_scale_ptr, stride_wse, stride_wsn)
+    out = (h_ptr, stride_hm, h_scale_ptr, stride_hsm, stats_ptr, eps)
+    QUANT: gl.constexpr = (MID_DTYPE, FP8_MAX, MANT_BITS, MIN_EXP, TRACK_STATS)
     gl.warp_specialize([
-        (_consumer, (a_ring, g_ring, u_ring, ready, empty, amax_bufs, amax_ready, a_scale_ptr, w_scale_ptr, h_ptr,
-                     h_scale_ptr, stats_ptr, sorted_ids_ptr, block_expert_ptr, M, num_pairs, inter, k_blocks,
-                     stride_asm, stride_wse, stride_wsn, stride_hm, stride_hsm, eps, 0, RUN_ROWS, GROUP_M,
-                     NUM_STAGES, MID_DTYPE, FP8_MAX, MANT_BITS, MIN_EXP, TRACK_STATS)),
-        (_consumer, (a_ring, g_ring, u_ring, ready, empty, amax_bufs, amax_ready, a_scale_ptr, w_scale_ptr, h_ptr,
-                     h_scale_ptr, stats_ptr, sorted_ids_ptr, block_expert_ptr, M, num_pairs, inter, k_blocks,
-                     stride_asm, stride_wse, stride_wsn, stride_hm, stride_hsm, eps, 1, RUN_ROWS, GROUP_M,
-                     NUM_STAGES, MID_DTYPE, FP8_MAX, MANT_BITS, MIN_EXP, TRACK_STATS)),
+        (_consumer, (ring, ready, empty, exchange, scales, out, sorted_ids_ptr, block_expert_ptr, M, num_pairs,
+                     inter, k_blocks, 0, RUN_ROWS, GROUP_M, NUM_STAGES, QUANT)),
+        (_consumer, (ring, ready, empty, exchange, scales, out, sorted_ids_ptr, block_expert_ptr, M, num_pairs,
+                     inter, k_blocks, 1, RUN_ROWS, GROUP_M, NUM_STAGES, QUANT)),
         (_producer, (a_desc, w_desc, a_ring, g_ring, u_ring, ready, empty, M, inter, k_blocks, block_expert_ptr,
                      RUN_ROWS, GROUP_M, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
