@@ -115,13 +115,33 @@ def _producer(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, k_blocks, expe
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         b_row = _expert(experts, pid_m, GROUPED) * N + pid_n * BLOCK_N
         for kb in range(k_blocks):
-            slot = it % NUM_STAGES
-            mbarrier.wait(empty.index(slot), (it // NUM_STAGES & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), nbytes)
+            slot = claim_slot(ready, empty, it, nbytes, NUM_STAGES)
             tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kb * BLOCK_K], ready.index(slot),
                                             a_ring.index(slot))
             tma.async_copy_global_to_shared(b_desc, [b_row, kb * BLOCK_K], ready.index(slot), b_ring.index(slot))
             it += 1
+
+
+@gluon.jit
+def ring_barriers(NUM_STAGES: gl.constexpr):
+    """``(ready, empty)``, a ring's mbarriers: ``ready[s]`` completes when slot ``s``'s bytes have
+    landed (the producer's TMA transaction count), ``empty[s]`` when both consumers have handed it back."""
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    return ready, empty
+
+
+@gluon.jit
+def claim_slot(ready, empty, it, nbytes: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The ring's slot for K block ``it``, once both consumers have handed it back, set to complete
+    ``ready`` when ``nbytes`` have landed in it."""
+    slot = it % NUM_STAGES
+    mbarrier.wait(empty.index(slot), (it // NUM_STAGES & 1) ^ 1)
+    mbarrier.expect(ready.index(slot), nbytes)
+    return slot
 
 
 @gluon.jit
@@ -261,11 +281,7 @@ def block_scaled_gemm_kernel_sm90_ws(
 
     a_ring = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_ring = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)
+    ready, empty = ring_barriers(NUM_STAGES)
     if C_TMA:  # C by bulk stores, through a shared buffer a consumer
         c_out = (c_desc, gl.allocate_shared_memory(c_desc.dtype, [2, 64, BLOCK_N], c_desc.layout))
     else:

@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from .gemm_sm90 import _fold, grouped_tile
-from .gemm_sm90_ws import CONSUMER_REGS, NUM_WARPS, PRODUCER_REGS, _hand_back, _num_sms
+from .gemm_sm90_ws import CONSUMER_REGS, NUM_WARPS, PRODUCER_REGS, _hand_back, _num_sms, claim_slot, ring_barriers
 from .quant import count_nonfinite, max_nan, quantize_by_scale, scale_of
 
 ROWS = gl.constexpr(64)  # sorted rows a tile: both consumers take all of them
@@ -102,9 +102,7 @@ def _producer(a_desc, w_desc, a_ring, g_ring, u_ring, ready, empty, M, inter, k_
         pid_m, pid_n = grouped_tile(tile, M, inter, ROWS, BLOCK_N, GROUP_M)
         gate_row = _expert(block_expert_ptr, pid_m, RUN_ROWS) * 2 * inter + pid_n * BLOCK_N
         for kb in range(k_blocks):
-            slot = it % NUM_STAGES
-            mbarrier.wait(empty.index(slot), (it // NUM_STAGES & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), nbytes)
+            slot = claim_slot(ready, empty, it, nbytes, NUM_STAGES)
             tma.async_copy_global_to_shared(a_desc, [pid_m * ROWS, kb * BLOCK_K], ready.index(slot),
                                             a_ring.index(slot))
             tma.async_copy_global_to_shared(w_desc, [gate_row, kb * BLOCK_K], ready.index(slot), g_ring.index(slot))
@@ -255,11 +253,7 @@ def moe_gate_up_kernel_sm90_ws(
     a_ring = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, ROWS, BLOCK_K], a_desc.layout)
     g_ring = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     u_ring = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=2)
+    ready, empty = ring_barriers(NUM_STAGES)
     # each consumer's row maxima (buffer 2 * tile parity + consumer)
     amax_bufs = gl.allocate_shared_memory(gl.float32, [4, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     amax_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
