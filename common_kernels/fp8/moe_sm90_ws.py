@@ -15,7 +15,7 @@ written), and only real rows are counted by the guard.
 
 Structure (``gemm_sm90_ws``'s, with ``gemm_sm90``'s pairing of two K blocks in flight):
 
-- persistent programs (``gemm_sm90_ws.grid``); a tile is 64 sorted rows (one expert's: runs are 64
+- persistent programs (``grid``); a tile is 64 sorted rows (one expert's: runs are 64
   or 128 rows) by 128 intermediate columns, one quantization group;
 - one producer warp copies each K block of the tile's A rows (``[64, 128]``) and of the expert's
   gate and up rows (two ``[128, 128]`` boxes of ``W13`` viewed as ``[E * 2I, H]``) by TMA into a
@@ -28,7 +28,9 @@ Structure (``gemm_sm90_ws``'s, with ``gemm_sm90``'s pairing of two K blocks in f
   128 columns; then the E4M3 values and (consumer 0) the scales are stored from registers.
 
 Weights: ``I % 128 == 0`` (a tile's gate and up columns each lie in one weight block), 16-byte
-aligned rows for the TMA copies (``H % 16 == 0``).
+aligned rows for the TMA copies (``H % 16 == 0``). Compiled for sm_90a (``benchmarks/hopper_compile.py``):
+168 registers a thread at launch, no spills, wgmma not serialized, 206 KiB of shared memory at five
+stages. Not yet run on a GPU (2026-12-04): ``tests/gpu/test_moe_sm90_ws.py`` is its check.
 """
 
 import functools
@@ -39,8 +41,13 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
-    warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from .gemm_sm90 import _fold, grouped_tile
 from .gemm_sm90_ws import CONSUMER_REGS, NUM_WARPS, PRODUCER_REGS, _hand_back, _num_sms, claim_slot, ring_barriers
