@@ -102,7 +102,9 @@ def test_padding_rows_holding_nan_stay_out():
     the intermediate's padding rows are still zeros, the outputs right and the guard silent; an
     infinite weight scale in one expert is counted."""
     x, w13, s13, w2, s2, weights, ids = moe_inputs(50, 8, 256, 256, 2)
-    stale = torch.full((1 << 26,), 0xFF, dtype=torch.uint8, device="cuda")  # E4M3 NaN everywhere
+    rows = -(-(100 + 8 * 127) // 128) * 128  # the sorted rows' bound (align_by_expert), 128-row runs
+    # freed NaN bytes (E4M3 and fp32) of the sorted A's sizes, for the caching allocator to hand out again
+    stale = [torch.full((n,), 0xFF, dtype=torch.uint8, device="cuda") for n in (rows * 256, rows * 8) * 16]
     del stale
     stats = torch.zeros(2, dtype=torch.int32, device="cuda")
     ours, triton_out = against_triton("both", x, w13, s13, w2, s2, weights, ids, stats=stats)
