@@ -35,6 +35,7 @@ PAIRS = {"both": (128, WS, WS_DOWNS[1]), "gate_up_64_rows": (64, WS, TRITON),
          "gate_up_5_stages": (128, dict(WS, num_stages=5), WS_DOWNS[0])}
 PAIRS |= {f"down_{d['BLOCK_N']}_s{d['num_stages']}": (128, TRITON, d) for d in WS_DOWNS}
 
+
 def expert_weights(experts, rows, cols, std=0.05):
     pairs = [quantize_weight_blocks_ref(torch.randn(rows, cols, device="cuda") * std) for _ in range(experts)]
     return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
