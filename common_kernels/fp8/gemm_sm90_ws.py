@@ -81,11 +81,14 @@ def _box_layout(rows: int) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K.value], gl.float8e4nv)
 
 
+def box_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A TMA descriptor of an fp8 matrix (16-byte aligned rows) in ``[rows, BLOCK_K]`` boxes."""
+    return TensorDescriptor.from_tensor(t, [rows, BLOCK_K.value], _box_layout(rows))
+
+
 def descriptors(a, b, block_n: int) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """TMA descriptors of A ``[M, K]`` and B ``[N, K]`` (fp8, 16-byte aligned rows) in the kernel's boxes."""
-    def box(t, rows):
-        return TensorDescriptor.from_tensor(t, [rows, BLOCK_K.value], _box_layout(rows))
-    return box(a, BLOCK_M.value), box(b, block_n)
+    """TMA descriptors of A ``[M, K]`` and B ``[N, K]`` in the kernel's boxes."""
+    return box_descriptor(a, BLOCK_M.value), box_descriptor(b, block_n)
 
 
 @functools.cache
@@ -298,9 +301,9 @@ def block_scaled_gemm_kernel_sm90_ws(
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def grid(m: int, n: int, block_n: int, device: torch.device) -> tuple[int]:
-    """One program a multiprocessor, or a program a tile where there are fewer tiles."""
-    return (min(triton.cdiv(m, BLOCK_M.value) * triton.cdiv(n, block_n), _num_sms(device.index)),)
+def grid(m: int, n: int, block_n: int, device: torch.device, block_m: int = BLOCK_M.value) -> tuple[int]:
+    """One program a multiprocessor, or a program a ``block_m x block_n`` tile where there are fewer tiles."""
+    return (min(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), _num_sms(device.index)),)
 
 
 @functools.cache

@@ -350,7 +350,8 @@ def _moe_gate_up_sm90_ws(a, a_scale, w13, w13_scale, h, h_scale, runs: ExpertRun
                          f"W13 {tuple(w13.shape)} with strides {w13.stride()}")
     require_sm90(moe_sm90_ws, dict(launch, BLOCK_M=block_m), a, w13[0])
     mant_bits, min_exp, fp8_max = fp8_grid(h.dtype)
-    moe_sm90_ws.moe_gate_up_kernel_sm90_ws[moe_sm90_ws.grid(h.shape[0], two_i // 2, a.device)](
+    grid = gemm_sm90_ws.grid(h.shape[0], two_i // 2, moe_sm90_ws.BLOCK_N.value, a.device, moe_sm90_ws.ROWS.value)
+    moe_sm90_ws.moe_gate_up_kernel_sm90_ws[grid](
         *moe_sm90_ws.descriptors(a, w13), a_scale, w13_scale, h, h_scale, stats if stats is not None else a_scale,
         runs.used_rows, runs.sorted_ids, runs.block_expert, num_pairs, two_i // 2, hidden, a_scale.stride(0),
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), h_scale.stride(0), QUANT_EPS, RUN_ROWS=block_m,
@@ -430,15 +431,14 @@ def _gated_intermediate(x, w13, w13_scale, runs: ExpertRuns, top_k, weights, lau
     """``silu(gate) * up`` at the sorted rows, quantized per row and 128 columns: ``(h [P, I] E4M3,
     h_scale)``; the quantization is fused into the first GEMM where its tiles hold whole groups."""
     (pairs, inter), rows = (runs.position.shape[0], w13.shape[1] // 2), runs.sorted_ids.shape[0]
-    if launch.get("KERNEL") == "sm90_ws" or launch["BLOCK_N"] % SCALE_BLOCK == 0:
-        h = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=x.device)
-        h_scale = torch.empty(rows, triton.cdiv(inter, SCALE_BLOCK), dtype=torch.float32, device=x.device)
     if launch.get("KERNEL") == "sm90_ws":  # A by bulk copies: x quantized into the sorted rows
         a, a_scale = quantize_to_sorted_rows(x, runs, top_k, stats)
+        h, h_scale = _empty_intermediate(rows, inter, x.device)
         _moe_gate_up_sm90_ws(a, a_scale, w13, w13_scale, h, h_scale, runs, pairs, launch, x.dtype, stats)
         return h, h_scale
     a, a_scale = quantize_per_token_group(x, SCALE_BLOCK, stats=stats)
     if launch["BLOCK_N"] % SCALE_BLOCK == 0:
+        h, h_scale = _empty_intermediate(rows, inter, x.device)
         _moe_gemm(a, a_scale, w13, w13_scale, h, runs, pairs, weights, top_k, True, False, launch, out_scale=h_scale,
                   mid_dtype=x.dtype, stats=stats)
         return h, h_scale
@@ -446,6 +446,12 @@ def _gated_intermediate(x, w13, w13_scale, runs: ExpertRuns, top_k, weights, lau
     _moe_gemm(a, a_scale, w13, w13_scale, hidden_act, runs, pairs, weights, top_k, True, False, launch)
     # the rows past the runs were never written: the quantizer stops before them
     return quantize_per_token_group(hidden_act, SCALE_BLOCK, stats=stats, rows_limit=runs.used_rows)
+
+
+def _empty_intermediate(rows: int, inter: int, device: torch.device):
+    """Room for the quantized intermediate: E4M3 values and one fp32 scale a row and 128 columns."""
+    return (torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(rows, triton.cdiv(inter, SCALE_BLOCK), dtype=torch.float32, device=device))
 
 
 def _validate(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_map, check_ids):

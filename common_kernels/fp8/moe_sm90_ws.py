@@ -15,7 +15,7 @@ written), and only real rows are counted by the guard.
 
 Structure (``gemm_sm90_ws``'s, with ``gemm_sm90``'s pairing of two K blocks in flight):
 
-- persistent programs (``grid``); a tile is 64 sorted rows (one expert's: runs are 64
+- persistent programs (``gemm_sm90_ws.grid``); a tile is 64 sorted rows (one expert's: runs are 64
   or 128 rows) by 128 intermediate columns, one quantization group;
 - one producer warp copies each K block of the tile's A rows (``[64, 128]``) and of the expert's
   gate and up rows (two ``[128, 128]`` boxes of ``W13`` viewed as ``[E * 2I, H]``) by TMA into a
@@ -33,8 +33,6 @@ aligned rows for the TMA copies (``H % 16 == 0``). Compiled for sm_90a (``benchm
 stages. Not yet run on a GPU (2026-12-04): ``tests/gpu/test_moe_sm90_ws.py`` is its check.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -50,7 +48,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .gemm_sm90 import _fold, grouped_tile
-from .gemm_sm90_ws import CONSUMER_REGS, NUM_WARPS, PRODUCER_REGS, _hand_back, _num_sms, claim_slot, ring_barriers
+from .gemm_sm90_ws import (
+    CONSUMER_REGS,
+    NUM_WARPS,
+    PRODUCER_REGS,
+    _hand_back,
+    box_descriptor,
+    claim_slot,
+    ring_barriers,
+)
 from .quant import count_nonfinite, max_nan, quantize_by_scale, scale_of
 
 ROWS = gl.constexpr(64)  # sorted rows a tile: both consumers take all of them
@@ -70,22 +76,10 @@ def fits(config: dict) -> bool:
             and config["num_stages"] >= 2 and config.get("BLOCK_N", BLOCK_N.value) == BLOCK_N.value)
 
 
-def grid(rows: int, inter: int, device: torch.device) -> tuple[int]:
-    """One program a multiprocessor, or a program a tile where there are fewer tiles."""
-    return (min(triton.cdiv(rows, ROWS.value) * triton.cdiv(inter, BLOCK_N.value), _num_sms(device.index)),)
-
-
-@functools.cache
-def _box_layout(rows: int) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K.value], gl.float8e4nv)
-
-
 def descriptors(a: torch.Tensor, w13: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
     """TMA descriptors of the sorted A rows ``[P, H]`` and of ``W13 [E, 2I, H]`` as ``[E * 2I, H]``."""
     experts, two_i, hidden = w13.shape
-    return (TensorDescriptor.from_tensor(a, [ROWS.value, BLOCK_K.value], _box_layout(ROWS.value)),
-            TensorDescriptor.from_tensor(w13.view(experts * two_i, hidden), [BLOCK_N.value, BLOCK_K.value],
-                                         _box_layout(BLOCK_N.value)))
+    return box_descriptor(a, ROWS.value), box_descriptor(w13.view(experts * two_i, hidden), BLOCK_N.value)
 
 
 @gluon.jit
