@@ -1,12 +1,17 @@
-"""Block-FP8 fused MoE time: latentspeed's ``fused_moe_fp8`` against vLLM's Triton ``fused_experts``
-(``use_fp8_w8a8``, 128 x 128 blocks), same weights and routing, one process.
+"""Block-FP8 fused MoE time: latentspeed's ``fused_moe_fp8`` against vLLM's, same weights and routing,
+one process. ``vLLM-Triton`` is vLLM's Triton ``fused_experts`` (``use_fp8_w8a8``, 128 x 128 blocks),
+what vLLM 0.26 serves on Hopper under tensor parallelism; ``vLLM-DeepGEMM`` is what ``--moe-backend
+deep_gemm`` serves, assembled as vLLM's FP8 MoE oracle does: DeepGEMM's grouped GEMMs on E8M0 weight
+scales (``VLLM_USE_DEEP_GEMM_E8M0=0``: fp32 scales, and Triton below 128 tokens), its row's
+``served_by`` naming the experts that ran.
 
 Shapes: DeepSeek-V3's experts (256 routed, top 8, hidden 7168, intermediate 2048) and the tiny
 model's (8 experts, top 2, hidden 1024, intermediate 256), at T = 1 ... 4096 tokens routed at random.
 CUDA-event medians (``triton.testing.do_bench``, L2 flushed), of eager calls (host launch overhead
-included) or, with ``--cuda-graph``, of CUDA-graph replays (the GPU work alone, as engines run decode);
-the two outputs are compared with each other. ``--ws`` adds ``latentspeed-sm90-ws``: both GEMMs on the
-warp-specialized Hopper kernels at one launch (``WS_CONFIG``), whatever the tuned table says.
+included) or, with ``--cuda-graph``, of CUDA-graph replays (the GPU work alone, as engines run decode).
+Each output is compared with the exact MoE, and each engine's with ours. ``--ws`` adds
+``latentspeed-sm90-ws``: both GEMMs on the warp-specialized Hopper kernels at one launch
+(``WS_CONFIG``), whatever the tuned table says.
 
     python -m benchmarks.fp8_moe --out benchmarks/results/fp8_moe.json
 """
@@ -47,12 +52,50 @@ def exact_moe(x, w13, s13, w2, s2, weights, ids):
     return out
 
 
+def rel_diff(out, ref):
+    return ((out - ref).norm() / ref.norm()).item()
+
+
 def vllm_fused(x, w13, s13, w2, s2, weights, ids):
     from vllm.model_executor.layers.fused_moe import fused_experts
     from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
 
     config = fp8_w8a8_moe_quant_config(w1_scale=s13, w2_scale=s2, block_shape=[128, 128])
     return lambda: fused_experts(x, w13, w2, weights, ids, quant_config=config)
+
+
+def vllm_oracle_kernel(backend_name, x, w13, s13, w2, s2, weights, ids):
+    """vLLM's FP8 MoE for ``backend_name`` (an ``Fp8MoeBackend`` member) as its oracle assembles it on
+    one GPU: the weights converted to that backend's layout (copies: DeepGEMM's E8M0 requantization
+    works in place), its prepare/finalize without EP, and its experts. Returns the call and the name of
+    the experts class that serves these shapes."""
+    import types
+
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (FusedMoEConfig, FusedMoEParallelConfig,
+                                                             RoutingMethodType)
+    from vllm.model_executor.layers.fused_moe.oracle import fp8 as oracle
+    from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
+
+    backend = oracle.Fp8MoeBackend[backend_name]
+    experts, top_k, inter = w13.shape[0], ids.shape[1], w2.shape[2]
+    w13, w2, s13, s2 = oracle.convert_to_fp8_moe_kernel_format(
+        backend, types.SimpleNamespace(weight_block_size=[128, 128]), w13.clone(), w2.clone(), s13.clone(),
+        s2.clone(), None, None)
+    quant_config = oracle.make_fp8_moe_quant_config(backend, s13, s2, None, None, block_shape=[128, 128])
+    moe_config = FusedMoEConfig(
+        num_experts=experts, experts_per_token=top_k, hidden_dim=x.shape[1], intermediate_size=inter,
+        num_local_experts=experts, num_logical_experts=experts, activation=MoEActivation.SILU, device=x.device,
+        routing_method=RoutingMethodType.Unspecified, moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(),
+        in_dtype=x.dtype)
+    kernel = oracle.make_fp8_moe_kernel(quant_config, moe_config, oracle.backend_to_kernel_cls(backend)[0], backend)
+    if not is_workspace_manager_initialized():
+        init_workspace_manager(x.device)
+    chosen = kernel.fused_experts
+    if hasattr(chosen, "_select_experts_impl"):  # a fallback pair picks its experts per call, by shape
+        chosen = chosen._select_experts_impl(x, w13, w2)
+    return (lambda: kernel.apply(x, w13, w2, weights, ids, MoEActivation.SILU, experts, None, False),
+            type(chosen).__name__)
 
 
 def main():
@@ -81,19 +124,32 @@ def main():
                 providers["vLLM-Triton"] = vllm_fused(x, w13, s13, w2, s2, weights, ids)
             except Exception as err:  # vLLM missing on this host
                 print(f"vLLM-Triton unavailable ({type(err).__name__}: {err})", file=sys.stderr)
+            served_by = {}
+            try:
+                providers["vLLM-DeepGEMM"], served_by["vLLM-DeepGEMM"] = vllm_oracle_kernel(
+                    "DEEPGEMM", x, w13, s13, w2, s2, weights, ids)
+            except Exception as err:  # vLLM or DeepGEMM missing on this host
+                print(f"vLLM-DeepGEMM unavailable ({type(err).__name__}: {err})", file=sys.stderr)
             outs, exact = {}, exact_moe(x, w13, s13, w2, s2, weights, ids)
             for name, fn in providers.items():
-                fn = in_cuda_graph(fn) if args.cuda_graph else fn
-                outs[name] = fn().float()
-                ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+                try:
+                    fn = in_cuda_graph(fn) if args.cuda_graph else fn
+                    outs[name] = fn().float()
+                    ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+                except Exception as err:  # an engine's kernel refusing a shape, or missing on this card
+                    if name.startswith("latentspeed"):
+                        raise
+                    print(f"{name} {shape} {tokens}: failed ({type(err).__name__}: {str(err)[:200]})", file=sys.stderr)
+                    continue
                 flops = 2 * tokens * top_k * (2 * inter * hidden + hidden * inter)
-                rows.append(dict(shape=shape, tokens=tokens, provider=name, cuda_graph=args.cuda_graph, us=ms * 1e3,
-                                 tflop_s=flops / ms / 1e9,
-                                 rel_err_vs_exact=((outs[name] - exact).norm() / exact.norm()).item()))
-                print(json.dumps(rows[-1]), flush=True)
-            if "vLLM-Triton" in outs:
-                ref = outs["vLLM-Triton"]
-                rows[-1]["rel_diff_vs_latentspeed"] = ((outs["latentspeed"] - ref).norm() / ref.norm()).item()
+                row = dict(shape=shape, tokens=tokens, provider=name, cuda_graph=args.cuda_graph, us=ms * 1e3,
+                           tflop_s=flops / ms / 1e9, rel_err_vs_exact=rel_diff(outs[name], exact))
+                if name in served_by:
+                    row["served_by"] = served_by[name]
+                if name.startswith("vLLM"):
+                    row["rel_diff_vs_latentspeed"] = rel_diff(outs["latentspeed"], outs[name])
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     with open(args.out, "w") as f:
         json.dump({"card": torch.cuda.get_device_name(0), "rows": rows}, f, indent=1)
 
