@@ -3,7 +3,8 @@ one process. ``vLLM-Triton`` is vLLM's Triton ``fused_experts`` (``use_fp8_w8a8`
 what vLLM 0.26 serves on Hopper under tensor parallelism; ``vLLM-DeepGEMM`` is what ``--moe-backend
 deep_gemm`` serves, assembled as vLLM's FP8 MoE oracle does: DeepGEMM's grouped GEMMs on E8M0 weight
 scales (``VLLM_USE_DEEP_GEMM_E8M0=0``: fp32 scales, and Triton below 128 tokens), its row's
-``served_by`` naming the experts that ran.
+``served_by`` naming the experts that ran. ``SGLang-Triton`` (SGLang on the path instead of vLLM) is
+SGLang's Triton ``fused_experts``, what SGLang 0.5.17 serves without DeepEP.
 
 Shapes: DeepSeek-V3's experts (256 routed, top 8, hidden 7168, intermediate 2048) and the tiny
 model's (8 experts, top 2, hidden 1024, intermediate 256), at T = 1 ... 4096 tokens routed at random.
@@ -62,6 +63,20 @@ def vllm_fused(x, w13, s13, w2, s2, weights, ids):
 
     config = fp8_w8a8_moe_quant_config(w1_scale=s13, w2_scale=s2, block_shape=[128, 128])
     return lambda: fused_experts(x, w13, w2, weights, ids, quant_config=config)
+
+
+def sglang_fused(x, w13, s13, w2, s2, weights, ids):
+    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
+    from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    experts, top_k, inter = w13.shape[0], ids.shape[1], w2.shape[2]
+    config = MoeRunnerConfig(num_experts=experts, num_local_experts=experts, hidden_size=x.shape[1],
+                             intermediate_size_per_partition=inter, top_k=top_k, params_dtype=x.dtype, inplace=False,
+                             gate_up_interleaved=False)  # W13 is [gate; up], as DeepSeek-V3's checkpoints hold it
+    routing = StandardTopKOutput(weights, ids, None)
+    return lambda: fused_experts(x, w13, w2, routing, config, use_fp8_w8a8=True, w1_scale=s13, w2_scale=s2,
+                                 block_shape=[128, 128])
 
 
 def vllm_oracle_kernel(backend_name, x, w13, s13, w2, s2, weights, ids):
@@ -124,6 +139,10 @@ def main():
                 providers["vLLM-Triton"] = vllm_fused(x, w13, s13, w2, s2, weights, ids)
             except Exception as err:  # vLLM missing on this host
                 print(f"vLLM-Triton unavailable ({type(err).__name__}: {err})", file=sys.stderr)
+            try:
+                providers["SGLang-Triton"] = sglang_fused(x, w13, s13, w2, s2, weights, ids)
+            except Exception as err:  # SGLang missing on this host
+                print(f"SGLang-Triton unavailable ({type(err).__name__}: {err})", file=sys.stderr)
             served_by = {}
             try:
                 providers["vLLM-DeepGEMM"], served_by["vLLM-DeepGEMM"] = vllm_oracle_kernel(
@@ -146,7 +165,7 @@ def main():
                            tflop_s=flops / ms / 1e9, rel_err_vs_exact=rel_diff(outs[name], exact))
                 if name in served_by:
                     row["served_by"] = served_by[name]
-                if name.startswith("vLLM"):
+                if name.startswith(("vLLM", "SGLang")):
                     row["rel_diff_vs_latentspeed"] = rel_diff(outs["latentspeed"], outs[name])
                 rows.append(row)
                 print(json.dumps(row), flush=True)

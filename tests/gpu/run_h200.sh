@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
 #   bash tests/gpu/run_h200.sh STEP...    steps: smoke clocks kernels ncu bench bench-small paired-check tune-gemm tune-moe fp8-bench fp8-bench-graph moe-bench moe-ws moe-gemms producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
-#                                         bundle on PYTHONPATH), fp8-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8 sglang-e2e-w8-fused
+#                                         bundle on PYTHONPATH), fp8-bench-sglang moe-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8 sglang-e2e-w8-fused
 #                                         sglang-ct-e2e sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         refmodel (train the reference model; no engine needed),
 #                                         refmodel-eval-vllm refmodel-eval-sglang (its perplexity table, that engine staged)
@@ -92,6 +92,11 @@ for step in "$@"; do
     fp8-bench-sglang)
       python3 benchmarks/fp8_gemm.py --providers latentspeed SGLang-Triton SGLang-CUTLASS cuBLAS-bf16 \
         --out "$out/fp8_gemm_sglang.json" 2>&1 | tee "$out/fp8-bench-sglang.log" | tail -n 40 ;;
+    moe-bench-sglang)  # the fused MoE against SGLang's Triton fused_experts, eager and as CUDA-graph replays
+      python3 benchmarks/fp8_moe.py --out "$out/fp8_moe_sglang.json" 2>&1 | tee "$out/moe-bench-sglang.log" \
+        | tail -n 40 \
+        && python3 benchmarks/fp8_moe.py --cuda-graph --out "$out/fp8_moe_sglang_graph.json" 2>&1 \
+        | tee -a "$out/moe-bench-sglang.log" | tail -n 40 ;;
     wait-checkpoints)
       until [ -f "${CHECKPOINTS:?}/.complete" ]; do sleep 5; done ;;
     moe-bench)
