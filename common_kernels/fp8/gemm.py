@@ -143,7 +143,8 @@ def block_scaled_gemm(
         out_dtype: bf16 or fp16. ``out``: optional ``[M, N]`` buffer, last dim contiguous.
         config: launch parameters (``BLOCK_M``, ``BLOCK_N``, ``SPLIT_K``, ``GROUP_M``, ``num_warps``,
             ``num_stages``); default ``gemm_config``, a table tuned per GPU and (N, K), then a
-            heuristic. ``SPLIT_K > 1`` sums fp32 partials in a second kernel. ``"KERNEL": "sm90"``
+            heuristic (the heuristic's where the table names a Hopper kernel and an operand is not
+            E4M3). ``SPLIT_K > 1`` sums fp32 partials in a second kernel. ``"KERNEL": "sm90"``
             runs ``gemm_sm90``'s Gluon kernel, ``"sm90_ws"`` the warp-specialized one of
             ``gemm_sm90_ws`` (Hopper; their ``fits`` say which configs).
 
@@ -166,8 +167,17 @@ def block_scaled_gemm(
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m and n:
-        _launch(a, a_scale, b, b_scale, out, config or gemm_config(m, n, k, a.device))
+        if config is None:
+            config = gemm_config(m, n, k, a.device)
+            if config.get("KERNEL") and not e4m3_operands(a, b):  # the Hopper kernels take E4M3 only
+                config = default_config(m, n, k, torch.cuda.get_device_properties(a.device).multi_processor_count)
+        _launch(a, a_scale, b, b_scale, out, config)
     return out
+
+
+def e4m3_operands(*operands: torch.Tensor) -> bool:
+    """Whether every operand is E4M3, the only fp8 format the sm_90 kernels are built and tested for."""
+    return all(t.dtype == torch.float8_e4m3fn for t in operands)
 
 
 def _launch(a, a_scale, b, b_scale, out, config: dict) -> None:
@@ -197,9 +207,13 @@ def _capability(device_index: int | None) -> tuple[int, int]:
 
 def require_sm90(module, config: dict, a: torch.Tensor, b: torch.Tensor) -> None:
     """Refuse, naming the problem, a launch of an sm_90 GEMM kernel (``module``) that could not run:
-    a config it does not fit, a GPU that is not Hopper, operands without 16-byte aligned rows."""
+    a config it does not fit, operands that are not E4M3, a GPU that is not Hopper, operands without
+    16-byte aligned rows."""
     if not module.fits(config):
         raise ValueError(f"config {config} does not fit the sm_90 GEMM kernel ({module.__name__}.fits)")
+    if not e4m3_operands(a, b):
+        raise ValueError(f"the sm_90 GEMM kernels take E4M3 operands, got {a.dtype} and {b.dtype}: use the Triton "
+                         "kernel (a config without KERNEL)")
     if a.device.type != "cuda" or _capability(a.device.index)[0] != 9:
         raise ValueError(f"the sm_90 GEMM kernel runs on Hopper GPUs only, not on {a.device}")
     if any(t.stride(0) % 16 or t.data_ptr() % 16 for t in (a, b)):

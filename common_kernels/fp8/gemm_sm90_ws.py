@@ -67,12 +67,20 @@ PRODUCER_REGS = gl.constexpr(40)
 # registers left by the workers' requests go to the default partition
 MAXNREG = 168
 BLOCK_NS = (128, 64)  # a tile's columns lie in one 128-wide weight block
+SHARED_BYTES = 232448  # a block's shared memory on Hopper (227 KiB)
+BARRIER_BYTES = 1024  # room for the mbarriers and alignment
 
 
 def fits(config: dict) -> bool:
-    """Whether this kernel takes a launch config."""
+    """Whether this kernel takes a launch config (its ring and C buffers within ``SHARED_BYTES``)."""
     return (config.get("SPLIT_K", 1) == 1 and config["BLOCK_M"] == BLOCK_M.value and config["BLOCK_N"] in BLOCK_NS
-            and config["num_warps"] == NUM_WARPS.value and config["num_stages"] >= 2)
+            and config["num_warps"] == NUM_WARPS.value and config["num_stages"] >= 2
+            and shared_bytes(config["BLOCK_N"], config["num_stages"]) <= SHARED_BYTES)
+
+
+def shared_bytes(block_n: int, num_stages: int) -> int:
+    """Shared memory of a launch: the ring's A and B boxes, and the consumers' two bf16/fp16 C buffers."""
+    return num_stages * (BLOCK_M.value + block_n) * BLOCK_K.value + 2 * 64 * block_n * 2 + BARRIER_BYTES
 
 
 @functools.cache

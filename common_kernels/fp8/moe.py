@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..fp8_format import FP8_DTYPES, fp8_grid
 from . import gemm_sm90_ws, moe_sm90_ws
-from .gemm import SCALE_BLOCK, nearest_tuned, require_sm90, tuned_table
+from .gemm import SCALE_BLOCK, e4m3_operands, nearest_tuned, require_sm90, tuned_table
 from .moe_sm90_ws import silu_gate
 from .quant import (
     GROUP_BLOCK_ROWS,
@@ -496,7 +496,8 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
             contribute nothing here.
         check_ids: check that ``topk_ids`` are in range (a device synchronization: engines, whose
             routers produce valid ids and which capture this in CUDA graphs, pass False).
-        config: the launch (``DEFAULT_CONFIG``'s keys); default ``moe_config``, tuned per GPU and shape.
+        config: the launch (``DEFAULT_CONFIG``'s keys); default ``moe_config``, tuned per GPU and shape
+            (``untuned_config`` where that names a Hopper kernel and the weights are not E4M3).
 
     Returns ``[T, H]`` in x's dtype. Raises ``ValueError`` naming any shape, dtype or id problem.
     """
@@ -505,7 +506,11 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     experts, two_i, hidden = w13.shape
     if tokens == 0:
         return x.new_zeros(tokens, hidden)
-    config = config or moe_config(tokens, top_k, experts, hidden, two_i // 2, x.device)
+    if config is None:
+        config = moe_config(tokens, top_k, experts, hidden, two_i // 2, x.device)
+        kernels = (config["gate_up"].get("KERNEL"), config["down"].get("KERNEL"))
+        if any(kernels) and not e4m3_operands(w13, w2):  # the Hopper kernels take E4M3 weights only
+            config = untuned_config(tokens * top_k / experts)
     ids = topk_ids if expert_map is None else expert_map[topk_ids.long()]
     runs = align_by_expert(ids, experts, config["BLOCK_M"])
     weights = topk_weights.flatten().float().contiguous()

@@ -49,9 +49,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .gemm_sm90 import _fold, grouped_tile
 from .gemm_sm90_ws import (
+    BARRIER_BYTES,
     CONSUMER_REGS,
     NUM_WARPS,
     PRODUCER_REGS,
+    SHARED_BYTES,
     _hand_back,
     box_descriptor,
     claim_slot,
@@ -71,9 +73,16 @@ def silu_gate(gate, up):
 
 
 def fits(config: dict) -> bool:
-    """Whether this kernel takes a gate/up launch (``"KERNEL": "sm90_ws"``) over runs of ``config["BLOCK_M"]``."""
+    """Whether this kernel takes a gate/up launch (``"KERNEL": "sm90_ws"``) over runs of ``config["BLOCK_M"]``,
+    its ring within ``SHARED_BYTES`` (at most five stages)."""
     return (config["BLOCK_M"] % ROWS.value == 0 and config["num_warps"] == NUM_WARPS.value
-            and config["num_stages"] >= 2 and config.get("BLOCK_N", BLOCK_N.value) == BLOCK_N.value)
+            and config["num_stages"] >= 2 and config.get("BLOCK_N", BLOCK_N.value) == BLOCK_N.value
+            and shared_bytes(config["num_stages"]) <= SHARED_BYTES)
+
+
+def shared_bytes(num_stages: int) -> int:
+    """Shared memory of a launch: the ring's A, gate and up boxes, and the row maxima's exchange buffers."""
+    return num_stages * (ROWS.value + 2 * BLOCK_N.value) * BLOCK_K.value + 4 * ROWS.value * 4 + BARRIER_BYTES
 
 
 def descriptors(a: torch.Tensor, w13: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:

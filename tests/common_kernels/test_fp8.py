@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from common_kernels.fp8 import block_scaled_gemm, quantize_per_token, quantize_per_token_group, quantize_weight_blocks
+from common_kernels.fp8 import gemm_sm90_ws
 from common_kernels.fp8.gemm import tuned_table
 from common_kernels.fp8.reference import (
     block_scaled_gemm_ref,
@@ -178,9 +179,16 @@ def test_sm90_gemm_refuses_other_devices_and_configs():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="Hopper GPUs only"):
             block_scaled_gemm(a, a_scale, b, b_scale, config=ws)
-    for bad in (dict(BLOCK_N=256), dict(SPLIT_K=2), dict(BLOCK_M=64), dict(num_warps=8), dict(num_stages=1)):
+    # seven stages of 128 x 128 boxes and the C buffers pass the 227 KiB of shared memory a block has
+    for bad in (dict(BLOCK_N=256), dict(SPLIT_K=2), dict(BLOCK_M=64), dict(num_warps=8), dict(num_stages=1),
+                dict(num_stages=7)):
         with pytest.raises(ValueError, match=r"does not fit the sm_90 GEMM kernel \(.*gemm_sm90_ws.fits\)"):
             block_scaled_gemm(a, a_scale, b, b_scale, config=dict(ws, **bad))
+    assert gemm_sm90_ws.fits(dict(ws, BLOCK_N=64, num_stages=8))  # narrower boxes leave room for more
+    e5m2 = b.float().to(torch.float8_e5m2)
+    for launch in (config, ws):
+        with pytest.raises(ValueError, match="take E4M3 operands, got torch.float8_e4m3fn and torch.float8_e5m2"):
+            block_scaled_gemm(a, a_scale, e5m2, b_scale, config=launch)
 
 
 def test_block_scaled_gemm_rejects_malformed_scales():

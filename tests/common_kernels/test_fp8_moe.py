@@ -270,6 +270,23 @@ def test_ws_launches_it_cannot_take_are_named(block_m, stage, inter, error):
         fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=config)
 
 
+def test_ws_launches_past_shared_memory_or_on_e5m2_weights_are_named():
+    """Six stages of the gate/up ring (40 KiB each) or seven of the down GEMM's pass the 227 KiB of
+    shared memory a block has; and the Hopper kernels are built for E4M3 weights only."""
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(5, inter=256)
+    for stage, block_m, stages in (("gate_up", 64, 6), ("down", 128, 7)):
+        ws = {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": stages}
+        with pytest.raises(ValueError, match="does not fit the sm_90 GEMM kernel"):
+            fused_moe_fp8(x, w13, s13, w2, s2, weights, ids,
+                          config=dict(DEFAULT_CONFIG, BLOCK_M=block_m, **{stage: ws}))
+    e5m2 = (w13.float().to(torch.float8_e5m2), w2.float().to(torch.float8_e5m2))
+    for stage, block_m in (("gate_up", 64), ("down", 128)):
+        ws = {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": 4}
+        with pytest.raises(ValueError, match="take E4M3 operands"):
+            fused_moe_fp8(x, e5m2[0], s13, e5m2[1], s2, weights, ids,
+                          config=dict(DEFAULT_CONFIG, BLOCK_M=block_m, **{stage: ws}))
+
+
 def test_bad_routing_is_named():
     w13, s13 = expert_weights(2, 256, 128, 0.05)
     w2, s2 = expert_weights(2, 128, 128, 0.05)
