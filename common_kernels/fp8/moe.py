@@ -465,8 +465,9 @@ def _validate(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_ma
         raise ValueError(f"shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     for name, w, s in (("w13_scale", w13, w13_scale), ("w2_scale", w2, w2_scale)):
         expected = (experts, triton.cdiv(w.shape[1], SCALE_BLOCK), triton.cdiv(w.shape[2], SCALE_BLOCK))
-        if tuple(s.shape) != expected or s.dtype != torch.float32:
-            raise ValueError(f"{name} must be fp32 {list(expected)} (128 x 128 blocks), got {s.dtype} {list(s.shape)}")
+        if tuple(s.shape) != expected or s.dtype != torch.float32 or s.stride(-1) != 1:
+            raise ValueError(f"{name} must be fp32 {list(expected)} (128 x 128 blocks, last dimension contiguous), "
+                             f"got {s.dtype} {list(s.shape)} with strides {s.stride()}")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids and topk_weights must both be [T, k] with T = {x.shape[0]}, got "
                          f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")

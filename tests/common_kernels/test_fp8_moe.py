@@ -295,3 +295,6 @@ def test_bad_routing_is_named():
         fused_moe_fp8(x, w13, s13, w2, s2, torch.ones(3, 1), torch.full((3, 1), 2))
     with pytest.raises(ValueError, match="w2_scale must be fp32"):
         fused_moe_fp8(x, w13, s13, w2, s2[:1], torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.int64))
+    strided = torch.stack([s13, s13], dim=-1)[..., 0]  # the right values, every other float
+    with pytest.raises(ValueError, match=r"w13_scale must be fp32 \[2, 2, 1\] \(128 x 128 blocks, last dimension"):
+        fused_moe_fp8(x, w13, strided, w2, s2, torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.int64))
