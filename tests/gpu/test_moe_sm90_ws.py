@@ -19,6 +19,7 @@ intermediate is quantized again after it, which the outlier allowance covers).
 import pytest
 import torch
 
+from common_kernels.fp8 import moe
 from common_kernels.fp8.moe import append_shared_experts, fused_moe_fp8
 from common_kernels.fp8.reference import fused_moe_fp8_ref, quantize_weight_blocks_ref
 from tests.helpers import assert_close
@@ -115,6 +116,28 @@ def test_padding_rows_holding_nan_stay_out():
     fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, stats=stats, config=dict(zip(("BLOCK_M", "gate_up", "down"),
                                                                                   PAIRS["both"])))
     assert stats[1] > 0
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_gate_up_ignores_what_the_padding_rows_hold(block_m):
+    """Deterministic (the test above relies on the caching allocator): the sorted A's padding rows
+    (values and scales) set to NaN bytes give the same intermediate, byte for byte, as set to zeros,
+    with its padding rows zero and the guard silent."""
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(50, 8, 256, 256, 2)
+    runs = moe.align_by_expert(ids.to(torch.int32), 8, block_m)
+    a, a_scale = moe.quantize_to_sorted_rows(x, runs, 2)
+    padding, used = runs.sorted_ids >= ids.numel(), int(runs.used_rows)
+    assert padding[:used].any()
+    results = []
+    for fill in (0x00, 0xFF):  # 0xFF: NaN in E4M3 and in fp32
+        a.view(torch.uint8)[padding], a_scale.view(torch.uint8).view(-1, 4 * a_scale.shape[1])[padding] = fill, fill
+        h, h_scale = moe._empty_intermediate(a.shape[0], 256, x.device)
+        stats = torch.zeros(2, dtype=torch.int32, device="cuda")
+        moe._moe_gate_up_sm90_ws(a, a_scale, w13, s13, h, h_scale, runs, ids.numel(), WS, x.dtype, stats)
+        results.append((h[:used].view(torch.uint8).clone(), h_scale[:used].clone(), stats.tolist()))
+    (h0, s0, stats0), (h1, s1, stats1) = results
+    assert torch.equal(h0, h1) and torch.equal(s0, s1) and stats0 == stats1 == [0, 0]
+    assert (h1[padding[:used]] == 0).all()
 
 
 @pytest.mark.parametrize("tokens", [64, 4096])
