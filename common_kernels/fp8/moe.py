@@ -322,11 +322,12 @@ def _moe_down_sm90_ws(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pairs, 
         raise ValueError("the sm90_ws MoE kernel reads the experts' weights as one [E * N, K] matrix: they must be "
                          f"contiguous, got strides {b.stride()}")
     experts, n, k = b.shape
-    require_sm90(gemm_sm90_ws, dict(launch, BLOCK_M=block_m), a, b)
+    stacked = b.view(experts * n, k)
+    require_sm90(gemm_sm90_ws, dict(launch, BLOCK_M=block_m), a, stacked)
     rows, block_n = out.shape[0], launch["BLOCK_N"]
     c_desc = gemm_sm90_ws.out_descriptor(out, block_n)
     gemm_sm90_ws.block_scaled_gemm_kernel_sm90_ws[gemm_sm90_ws.grid(rows, n, block_n, a.device)](
-        *gemm_sm90_ws.descriptors(a, b.view(experts * n, k), block_n), out, a_scale, b_scale, rows, n, k,
+        *gemm_sm90_ws.descriptors(a, stacked, block_n), out, a_scale, b_scale, rows, n, k,
         out.stride(0), a_scale.stride(0), b_scale.stride(1), BLOCK_N=block_n, GROUP_M=launch.get("GROUP_M", 8),
         NUM_STAGES=launch["num_stages"], c_desc=c_desc, C_TMA=c_desc is not None, rows_in_use_ptr=runs.used_rows,
         block_expert_ptr=runs.block_expert, sorted_ids_ptr=runs.sorted_ids, weights_ptr=weights,
