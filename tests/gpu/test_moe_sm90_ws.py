@@ -10,10 +10,20 @@ Shapes: ragged token counts (runs of one to several row blocks, experts with no 
 not be stored), I = 192 for the down GEMM alone (a partial last K block; the gate/up kernel needs
 I % 128 == 0), H = 196 (C rows not 16-byte aligned: down stores from registers; the gate/up kernel's
 A rows need H % 16 == 0), a rank of expert parallelism, and DeepSeek-V3's expert sizes with more
-tiles than the H200 has multiprocessors. Tolerances: the CPU tests' against the reference
-(``tests/common_kernels/test_fp8_moe.py``), and the block GEMM's against the Triton kernels
-(``test_gemm_sm90.py``: about 1e-3 of the largest output, from the wgmma's fp8 accumulator; the
-intermediate is quantized again after it, which the outlier allowance covers).
+tiles than the H200 has multiprocessors.
+
+Tolerances. Against the Triton kernels, the block GEMM's (``test_gemm_sm90.py``: 2e-3 of the
+largest output, from the wgmma's fp8 accumulator; on the H200 the two gave equal bytes in every
+case of ``benchmarks/results/moe-ws-vs-triton-fixed-seeds-2026-12-05.log``). Against the reference,
+per token: a relative RMS error within 5e-2 and no element beyond 0.1 (abs and rel). Not the CPU
+tests' elementwise 2e-2: the intermediate is rounded to bf16 and quantized again per 128 columns,
+so when an accumulation in another order moves a group's largest value across a rounding boundary,
+the group's scale changes and all its values may round the other way. With the gate/up sums moved
+by 1e-3 (relative), 4.7 % of one-token cases broke the elementwise bound, the worst by 3.3e-2
+relative RMS (``benchmarks/fp8_moe_sensitivity.py``, ``fp8-moe-requant-sensitivity-2026-12-05.md``);
+on the H200 4 of 160 cases did (one token by 2.7e-2), while with fixed seeds the warp-specialized
+and Triton kernels gave equal bytes in all 90 cases tried. A wrong row, tile, expert or weight moves
+a token by far more.
 """
 
 import pytest
@@ -60,10 +70,14 @@ def against_triton(pair, *inputs, **kwargs):
 
 
 def assert_matches(ours, triton_out, expected, name):
-    rows = expected.shape[0]
-    assert_close(ours[:rows], expected, atol=2e-2, rtol=2e-2, name=name, outliers=1e-3, outlier_tol=0.1)
+    """Ours against the Triton kernels' run, then its first rows against the reference (module docstring)."""
     assert_close(ours, triton_out, atol=2e-3 * triton_out.abs().max().item(), rtol=1e-2, name=f"{name} vs triton",
                  outliers=1e-3, outlier_tol=0.1)
+    actual, expected = ours[: expected.shape[0]].float().cpu(), expected.float().cpu()
+    assert_close(actual, expected, atol=0.1, rtol=0.1, name=name)
+    rel_rms = (actual - expected).pow(2).mean(1).sqrt() / expected.pow(2).mean(1).sqrt().clamp_min(1e-6)
+    worst = int(rel_rms.argmax())
+    assert rel_rms[worst] <= 5e-2, f"{name}: token {worst}'s relative RMS error {rel_rms[worst]:.3e} is above 5e-2"
 
 
 @pytest.mark.parametrize("pair", PAIRS)
