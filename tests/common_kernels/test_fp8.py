@@ -1,12 +1,13 @@
 """FP8 kernels against the PyTorch references (CPU: Triton interpreter; small, ragged shapes)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from common_kernels.fp8 import block_scaled_gemm, quantize_per_token, quantize_per_token_group, quantize_weight_blocks
-from common_kernels.fp8 import gemm_sm90_ws
+from common_kernels.fp8 import gemm_sm90, gemm_sm90_ws, moe_sm90_ws
 from common_kernels.fp8.gemm import tuned_table
 from common_kernels.fp8.reference import (
     block_scaled_gemm_ref,
@@ -226,3 +227,25 @@ def test_tuned_table_reads_the_file_its_variable_names(tmp_path, monkeypatch):
         assert tuned_table("gemm", "Some GPU") == {}  # no file: heuristics
     finally:
         tuned_table.cache_clear()
+
+
+def test_shipped_tables_name_launches_their_kernels_take():
+    """Every entry of the shipped tables that names a Hopper kernel is a launch that kernel takes
+    (its ``fits``, at the entry's rows: the MoE's runs of ``BLOCK_M``); the others are Triton launches."""
+    kernels = {"sm90": gemm_sm90, "sm90_ws": gemm_sm90_ws}
+    hopper_entries = 0
+    for path in (Path(gemm_sm90.__file__).parent / "configs").glob("*.json"):
+        for by_size in json.loads(path.read_text())["configs"].values():
+            for entry in by_size.values():
+                if path.name.startswith("gemm_"):
+                    launches = [(kernels.get(entry.get("KERNEL")), entry)]
+                else:  # the MoE's gate/up and down GEMMs over runs of BLOCK_M rows
+                    launches = [({"sm90_ws": moe_sm90_ws}.get(entry["gate_up"].get("KERNEL")), entry["gate_up"]),
+                                (kernels.get(entry["down"].get("KERNEL")), entry["down"])]
+                    launches = [(module, dict(launch, BLOCK_M=entry["BLOCK_M"])) for module, launch in launches]
+                for module, launch in launches:
+                    assert module is not None or "KERNEL" not in launch, f"{path.name}: unknown kernel in {launch}"
+                    if module is not None:
+                        hopper_entries += 1
+                        assert module.fits(launch), f"{path.name}: {launch} does not fit {module.__name__}"
+    assert hopper_entries > 0
