@@ -5,7 +5,8 @@ Same contract as ``gemm._block_scaled_gemm_kernel`` without K splits (the ``gemm
 has the formula): ``C [M, N] = sum_kb a_scale[:, kb] * b_scale[:, kb] * A[:, kb] B[:, kb]^T``, one
 fp32 partial per 128-wide K block, scaled before it joins the fp32 accumulator. A tuned table
 selects it per shape with ``"KERNEL": "sm90_ws"``. Grouped by expert (``GROUPED``, the kernel's
-docstring) it is also the fused MoE's second GEMM (``moe._moe_down_sm90_ws``; not yet run on a GPU).
+docstring) it is also the fused MoE's second GEMM (``moe._moe_down_sm90_ws``; on the H200 1.05-1.14x
+DeepGEMM's grouped GEMM, ``benchmarks/results/fp8-moe-ws-2026-12-05.md``).
 
 Why a third kernel: the Triton kernel and ``gemm_sm90`` stop at 620-760 TFLOP/s on the H200 where
 DeepGEMM reaches 1200-1330 (``benchmarks/notes.md``). ncu put 20 % of the Triton kernel's stall

@@ -30,7 +30,9 @@ Structure (``gemm_sm90_ws``'s, with ``gemm_sm90``'s pairing of two K blocks in f
 Weights: ``I % 128 == 0`` (a tile's gate and up columns each lie in one weight block), 16-byte
 aligned rows for the TMA copies (``H % 16 == 0``). Compiled for sm_90a (``benchmarks/hopper_compile.py``):
 168 registers a thread at launch, no spills, wgmma not serialized, 206 KiB of shared memory at five
-stages. Not yet run on a GPU (2026-12-04): ``tests/gpu/test_moe_sm90_ws.py`` is its check.
+stages. On the H200 (``tests/gpu/test_moe_sm90_ws.py``): the Triton kernel's bytes with fixed seeds;
+at DeepSeek-V3's 4096 tokens 4.15 ms against DeepGEMM's 3.53 for this GEMM alone
+(``benchmarks/results/fp8-moe-ws-2026-12-05.md``).
 """
 
 import torch
