@@ -6,8 +6,11 @@ scales (``VLLM_USE_DEEP_GEMM_E8M0=0``: fp32 scales, and Triton below 128 tokens)
 ``served_by`` naming the experts that ran. ``SGLang-Triton`` (SGLang on the path instead of vLLM) is
 SGLang's Triton ``fused_experts``, what SGLang 0.5.17 serves without DeepEP.
 
-Shapes: DeepSeek-V3's experts (256 routed, top 8, hidden 7168, intermediate 2048) and the tiny
-model's (8 experts, top 2, hidden 1024, intermediate 256), at T = 1 ... 4096 tokens routed at random.
+Shapes: DeepSeek-V3's experts (256 routed, top 8, hidden 7168, intermediate 2048), one rank's share
+of them under 8-way tensor parallelism (``deepseek_v3_tp8``: intermediate 256, what each of eight
+H200s runs when vLLM serves the model with ``-tp 8``; the full shape fits no single card), the tiny
+model's (8 experts, top 2, hidden 1024, intermediate 256) and the reference model's, at T = 1 ... 4096
+tokens routed at random.
 CUDA-event medians (``triton.testing.do_bench``, L2 flushed), of eager calls (host launch overhead
 included) or, with ``--cuda-graph``, of CUDA-graph replays (the GPU work alone, as engines run decode).
 Each output is compared with the exact MoE, and each engine's with ours. ``--ws`` adds
@@ -28,7 +31,8 @@ from benchmarks.timing import in_cuda_graph
 from common_kernels.fp8 import fused_moe_fp8
 from common_kernels.fp8.reference import dequantize_weight_blocks_ref
 
-SHAPES = {"deepseek_v3": (256, 8, 7168, 2048), "tiny": (8, 2, 1024, 256), "refmodel": (8, 2, 256, 128)}
+SHAPES = {"deepseek_v3": (256, 8, 7168, 2048), "deepseek_v3_tp8": (256, 8, 7168, 256), "tiny": (8, 2, 1024, 256),
+          "refmodel": (8, 2, 256, 128)}
 WS_CONFIG = {"BLOCK_M": 128, "gate_up": {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
              "down": {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": 6}}
 
