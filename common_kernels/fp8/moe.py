@@ -455,6 +455,12 @@ def _empty_intermediate(rows: int, inter: int, device: torch.device):
             torch.empty(rows, triton.cdiv(inter, SCALE_BLOCK), dtype=torch.float32, device=device))
 
 
+def _hopper_kernels_take(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the warp-specialized kernels take these weights: E4M3 (the only format they are built
+    for), contiguous (each is read as one ``[E * N, K]`` matrix) and 16-byte aligned (TMA)."""
+    return e4m3_operands(w13, w2) and all(w.is_contiguous() and w.data_ptr() % 16 == 0 for w in (w13, w2))
+
+
 def _validate(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_map, check_ids):
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"x must be bf16/fp16 [T, H], got {x.dtype} {tuple(x.shape)}")
@@ -499,7 +505,8 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
         check_ids: check that ``topk_ids`` are in range (a device synchronization: engines, whose
             routers produce valid ids and which capture this in CUDA graphs, pass False).
         config: the launch (``DEFAULT_CONFIG``'s keys); default ``moe_config``, tuned per GPU and shape
-            (``untuned_config`` where that names a Hopper kernel and the weights are not E4M3).
+            (``untuned_config`` where that names a Hopper kernel and the weights are not E4M3, contiguous
+            and 16-byte aligned).
 
     Returns ``[T, H]`` in x's dtype. Raises ``ValueError`` naming any shape, dtype or id problem.
     """
@@ -511,7 +518,7 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     if config is None:
         config = moe_config(tokens, top_k, experts, hidden, two_i // 2, x.device)
         kernels = (config["gate_up"].get("KERNEL"), config["down"].get("KERNEL"))
-        if any(kernels) and not e4m3_operands(w13, w2):  # the Hopper kernels take E4M3 weights only
+        if any(kernels) and not _hopper_kernels_take(w13, w2):
             config = untuned_config(tokens * top_k / experts)
     ids = topk_ids if expert_map is None else expert_map[topk_ids.long()]
     runs = align_by_expert(ids, experts, config["BLOCK_M"])

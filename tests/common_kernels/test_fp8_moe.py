@@ -10,6 +10,7 @@ H200, 1 run in 6 had 2 of 10240 outputs 2.5e-2 off; a wrong tile, row or expert 
 import pytest
 import torch
 
+from common_kernels.fp8 import moe
 from common_kernels.fp8.moe import (
     BLOCK_M,
     DEFAULT_CONFIG,
@@ -285,6 +286,23 @@ def test_ws_launches_past_shared_memory_or_on_e5m2_weights_are_named():
         with pytest.raises(ValueError, match="take E4M3 operands"):
             fused_moe_fp8(x, e5m2[0], s13, e5m2[1], s2, weights, ids,
                           config=dict(DEFAULT_CONFIG, BLOCK_M=block_m, **{stage: ws}))
+
+
+def test_tuned_hopper_launches_give_way_for_weights_they_cannot_take(monkeypatch):
+    """A tuned table naming the warp-specialized kernels (as the H200's does from 1024 tokens) is not
+    followed for E5M2 or non-contiguous weights: ``untuned_config``'s Triton launch runs instead, with
+    its result; E4M3 contiguous weights do take the Hopper launch (refused here: no Hopper GPU)."""
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(6, inter=256)
+    ws = {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": 4}
+    monkeypatch.setattr(moe, "moe_config", lambda *args: dict(DEFAULT_CONFIG, BLOCK_M=128, gate_up=ws, down=ws))
+    with pytest.raises(ValueError, match="Hopper GPUs only"):
+        fused_moe_fp8(x, w13, s13, w2, s2, weights, ids)
+    e5m2 = (w13.float().to(torch.float8_e5m2), w2.float().to(torch.float8_e5m2))
+    strided = torch.stack([w13.view(torch.uint8)] * 2, dim=-1)[..., 0].view(w13.dtype)  # every other byte
+    assert not strided.is_contiguous() and torch.equal(strided.view(torch.uint8), w13.view(torch.uint8))
+    for a, b in (e5m2, (strided, w2)):
+        expected = fused_moe_fp8(x, a, s13, b, s2, weights, ids, config=untuned_config(6 * 2 / 4))
+        assert torch.equal(fused_moe_fp8(x, a, s13, b, s2, weights, ids), expected)
 
 
 def test_bad_routing_is_named():
