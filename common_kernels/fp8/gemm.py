@@ -144,8 +144,8 @@ def block_scaled_gemm(
         config: launch parameters (``BLOCK_M``, ``BLOCK_N``, ``SPLIT_K``, ``GROUP_M``, ``num_warps``,
             ``num_stages``); default ``gemm_config``, a table tuned per GPU and (N, K), then a
             heuristic (the heuristic's where the table names a Hopper kernel and an operand is not
-            E4M3). ``SPLIT_K > 1`` sums fp32 partials in a second kernel. ``"KERNEL": "sm90"``
-            runs ``gemm_sm90``'s Gluon kernel, ``"sm90_ws"`` the warp-specialized one of
+            E4M3 or its rows are not 16-byte aligned). ``SPLIT_K > 1`` sums fp32 partials in a second
+            kernel. ``"KERNEL": "sm90"`` runs ``gemm_sm90``'s Gluon kernel, ``"sm90_ws"`` the warp-specialized one of
             ``gemm_sm90_ws`` (Hopper; their ``fits`` say which configs).
 
     Returns ``C [M, N]``. Raises ``ValueError`` naming any shape, dtype or layout mismatch.
@@ -169,7 +169,7 @@ def block_scaled_gemm(
     if m and n:
         if config is None:
             config = gemm_config(m, n, k, a.device)
-            if config.get("KERNEL") and not e4m3_operands(a, b):  # the Hopper kernels take E4M3 only
+            if config.get("KERNEL") and not (e4m3_operands(a, b) and aligned_rows(a, b)):
                 config = default_config(m, n, k, torch.cuda.get_device_properties(a.device).multi_processor_count)
         _launch(a, a_scale, b, b_scale, out, config)
     return out
@@ -178,6 +178,11 @@ def block_scaled_gemm(
 def e4m3_operands(*operands: torch.Tensor) -> bool:
     """Whether every operand is E4M3, the only fp8 format the sm_90 kernels are built and tested for."""
     return all(t.dtype == torch.float8_e4m3fn for t in operands)
+
+
+def aligned_rows(*operands: torch.Tensor) -> bool:
+    """Whether every operand's rows start 16-byte aligned, as the sm_90 kernels' TMA copies read them."""
+    return all(t.stride(-2) % 16 == 0 and t.data_ptr() % 16 == 0 for t in operands)
 
 
 def _launch(a, a_scale, b, b_scale, out, config: dict) -> None:
@@ -216,7 +221,7 @@ def require_sm90(module, config: dict, a: torch.Tensor, b: torch.Tensor) -> None
                          "kernel (a config without KERNEL)")
     if a.device.type != "cuda" or _capability(a.device.index)[0] != 9:
         raise ValueError(f"the sm_90 GEMM kernel runs on Hopper GPUs only, not on {a.device}")
-    if any(t.stride(0) % 16 or t.data_ptr() % 16 for t in (a, b)):
+    if not aligned_rows(a, b):
         raise ValueError("the sm_90 GEMM kernel copies 16-byte rows: a and b need 16-byte aligned rows "
                          f"(K = {a.shape[1]}, row strides {a.stride(0)} and {b.stride(0)})")
 

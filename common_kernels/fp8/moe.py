@@ -33,7 +33,7 @@ import triton.language as tl
 
 from ..fp8_format import FP8_DTYPES, fp8_grid
 from . import gemm_sm90_ws, moe_sm90_ws
-from .gemm import SCALE_BLOCK, e4m3_operands, nearest_tuned, require_sm90, tuned_table
+from .gemm import SCALE_BLOCK, aligned_rows, e4m3_operands, nearest_tuned, require_sm90, tuned_table
 from .moe_sm90_ws import silu_gate
 from .quant import (
     GROUP_BLOCK_ROWS,
@@ -458,7 +458,7 @@ def _empty_intermediate(rows: int, inter: int, device: torch.device):
 def _hopper_kernels_take(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the warp-specialized kernels take these weights: E4M3 (the only format they are built
     for), contiguous (each is read as one ``[E * N, K]`` matrix) and 16-byte aligned (TMA)."""
-    return e4m3_operands(w13, w2) and all(w.is_contiguous() and w.data_ptr() % 16 == 0 for w in (w13, w2))
+    return e4m3_operands(w13, w2) and aligned_rows(w13, w2) and w13.is_contiguous() and w2.is_contiguous()
 
 
 def _validate(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_map, check_ids):

@@ -2,6 +2,7 @@
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -190,6 +191,28 @@ def test_sm90_gemm_refuses_other_devices_and_configs():
     for launch in (config, ws):
         with pytest.raises(ValueError, match="take E4M3 operands, got torch.float8_e4m3fn and torch.float8_e5m2"):
             block_scaled_gemm(a, a_scale, e5m2, b_scale, config=launch)
+
+
+def test_tuned_hopper_launches_give_way_for_operands_they_cannot_take(monkeypatch):
+    """A tuned table naming the warp-specialized kernel is not followed for E5M2 weights or for
+    activations whose rows are not 16-byte aligned: the heuristic's Triton launch runs instead, with
+    its result; aligned E4M3 operands do take the Hopper launch (refused here: no Hopper GPU)."""
+    from common_kernels.fp8 import gemm
+
+    a, a_scale = quantize_per_token_group_ref(torch.randn(20, 256))
+    b, b_scale = quantize_weight_blocks_ref(torch.randn(128, 256))
+    ws = {"KERNEL": "sm90_ws", "BLOCK_M": 128, "BLOCK_N": 128, "SPLIT_K": 1, "GROUP_M": 8, "num_warps": 4,
+          "num_stages": 4}
+    monkeypatch.setattr(gemm, "gemm_config", lambda *args: ws)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=4))
+    with pytest.raises(ValueError, match="Hopper GPUs only"):
+        block_scaled_gemm(a, a_scale, b, b_scale)
+    shifted = torch.empty(a.numel() + 1, dtype=torch.uint8)[1:].view(a.dtype).view(a.shape)  # starts at byte 1
+    shifted.copy_(a)
+    e5m2 = b.float().to(torch.float8_e5m2)
+    for a_op, b_op in ((shifted, b), (a, e5m2)):
+        expected = block_scaled_gemm(a_op, a_scale, b_op, b_scale, config=gemm.default_config(20, 128, 256, 4))
+        assert torch.equal(block_scaled_gemm(a_op, a_scale, b_op, b_scale), expected)
 
 
 def test_block_scaled_gemm_rejects_malformed_scales():
