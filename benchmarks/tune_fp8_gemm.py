@@ -61,7 +61,7 @@ def candidates(m: int, k: int):
 def tune_one(m: int, n: int, k: int, w, ws, sms: int) -> dict:
     a, a_s = quantize_per_token_group(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
     ref = block_scaled_gemm_ref(a, a_s, w, ws, torch.float32)
-    best, default = None, default_config(m, n, k, sms)
+    best, default = None, default_config(m, n, k, sms, torch.cuda.get_device_capability()[0] == 9)
     for config in [default, *candidates(m, k)]:
         try:
             out = block_scaled_gemm(a, a_s, w, ws, config=config)

@@ -64,17 +64,28 @@ def moe_config(tokens: int, top_k: int, experts: int, hidden: int, inter: int, d
     ``DEFAULT_CONFIG`` on the CPU (Triton's interpreter)."""
     if device.type != "cuda":
         return DEFAULT_CONFIG
-    by_tokens = tuned_table("moe", torch.cuda.get_device_properties(device).name).get(f"{experts},{hidden},{inter},{top_k}")
-    return nearest_tuned(by_tokens, tokens) if by_tokens else untuned_config(tokens * top_k / experts)
+    props = torch.cuda.get_device_properties(device)
+    by_tokens = tuned_table("moe", props.name).get(f"{experts},{hidden},{inter},{top_k}")
+    return nearest_tuned(by_tokens, tokens) if by_tokens else untuned_config(tokens * top_k / experts, props.major == 9)
 
 
-def untuned_config(rows_per_expert: float) -> dict:
+def untuned_config(rows_per_expert: float, hopper: bool = False) -> dict:
     """The launch for a shape with no tuned entry, from what tuning chose on the H200 for DeepSeek-V3's
     and a small model's experts: 16-row runs and 64-wide tiles while experts see few rows each
-    (decode, small batches), 64-row runs with a 128-wide down GEMM beyond."""
+    (decode, small batches), 64-row runs with a 128-wide down GEMM beyond.
+
+    ``hopper`` (an sm_90 GPU, weights the warp-specialized kernels take): beyond 16 rows an expert, the
+    warp-specialized gate/up GEMM, and from 64 rows 128-row runs with the warp-specialized down GEMM
+    too: DeepSeek-V3's tuned entries at 1024 tokens (32 rows an expert) and 4096 (128 rows)."""
     if rows_per_expert <= 16:
         return {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 4},
                 "down": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4}}
+    if hopper:
+        gate_up = {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": 4}
+        if rows_per_expert >= 64:
+            return {"BLOCK_M": 128, "gate_up": gate_up,
+                    "down": {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": 6}}
+        return {"BLOCK_M": 64, "gate_up": gate_up, "down": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4}}
     return {"BLOCK_M": 64, "gate_up": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
             "down": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}}
 
@@ -457,8 +468,10 @@ def _empty_intermediate(rows: int, inter: int, device: torch.device):
 
 def _hopper_kernels_take(w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the warp-specialized kernels take these weights: E4M3 (the only format they are built
-    for), contiguous (each is read as one ``[E * N, K]`` matrix) and 16-byte aligned (TMA)."""
-    return e4m3_operands(w13, w2) and aligned_rows(w13, w2) and w13.is_contiguous() and w2.is_contiguous()
+    for), contiguous (each is read as one ``[E * N, K]`` matrix), 16-byte aligned (TMA), and an
+    intermediate size that is a multiple of 128 (a gate/up tile's columns in one weight block)."""
+    return (e4m3_operands(w13, w2) and aligned_rows(w13, w2) and w13.is_contiguous() and w2.is_contiguous()
+            and w2.shape[-1] % SCALE_BLOCK == 0)
 
 
 def _validate(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_map, check_ids):

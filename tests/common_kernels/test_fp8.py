@@ -160,9 +160,30 @@ def test_gemm_config_choice():
     assert small["BLOCK_M"] == 16 and small["SPLIT_K"] == 8  # 33 tiles x 8 splits >= 2 x 132, 7 K blocks each
     assert large["BLOCK_M"] == 128 and large["SPLIT_K"] == 1
     assert default_config(1, 2112, 512, sms=132)["SPLIT_K"] == 1  # 4 K blocks: too few to split
+    assert "KERNEL" not in large  # off Hopper (or for operands its kernels cannot take): Triton's
     table = {"1": "one", "64": "sixty-four", "4096": "big"}
     assert [nearest_tuned(table, m) for m in (1, 5, 16, 200, 1000, 9000)] == ["one", "one", "sixty-four",
                                                                                 "sixty-four", "big", "big"]
+
+
+@pytest.mark.parametrize("m, n, kernel, block_n", [
+    (128, 7168, None, None),  # M < 256: Triton's
+    (256, 2112, None, None),  # 2 x 33 tiles of 128 x 64: half of 132 SMs, not more
+    (256, 4096, "sm90_ws", 64),  # 2 x 64 tiles: more than half; 2 x 32 of 128 x 128: under three quarters
+    (256, 7168, "sm90_ws", 128),  # 2 x 56 of 128 x 128: three quarters and more
+    (4096, 512, "sm90_ws", 128),
+])
+def test_untuned_hopper_default_takes_the_warp_specialized_kernel(m, n, kernel, block_n):
+    """Without a tuned entry, Hopper runs the warp-specialized kernel from M = 256 where its tiles fill
+    more than half the GPU (``default_config``), with a launch the kernel fits."""
+    from common_kernels.fp8.gemm import default_config
+
+    config = default_config(m, n, 7168, sms=132, hopper=True)
+    assert config.get("KERNEL") == kernel
+    if kernel:
+        assert config["BLOCK_N"] == block_n and gemm_sm90_ws.fits(config)
+    else:
+        assert config == default_config(m, n, 7168, sms=132)
 
 
 def test_sm90_gemm_refuses_other_devices_and_configs():

@@ -10,7 +10,7 @@ H200, 1 run in 6 had 2 of 10240 outputs 2.5e-2 off; a wrong tile, row or expert 
 import pytest
 import torch
 
-from common_kernels.fp8 import moe
+from common_kernels.fp8 import gemm_sm90_ws, moe, moe_sm90_ws
 from common_kernels.fp8.moe import (
     BLOCK_M,
     DEFAULT_CONFIG,
@@ -303,6 +303,23 @@ def test_tuned_hopper_launches_give_way_for_weights_they_cannot_take(monkeypatch
     for a, b in (e5m2, (strided, w2)):
         expected = fused_moe_fp8(x, a, s13, b, s2, weights, ids, config=untuned_config(6 * 2 / 4))
         assert torch.equal(fused_moe_fp8(x, a, s13, b, s2, weights, ids), expected)
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(6, inter=192)  # an intermediate size not a multiple of 128
+    expected = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=untuned_config(6 * 2 / 4))
+    assert torch.equal(fused_moe_fp8(x, w13, s13, w2, s2, weights, ids), expected)
+
+
+@pytest.mark.parametrize("rows, block_m, kernels", [(16, 16, (None, None)), (17, 64, ("sm90_ws", None)),
+                                                    (32, 64, ("sm90_ws", None)), (64, 128, ("sm90_ws", "sm90_ws"))])
+def test_untuned_hopper_config(rows, block_m, kernels):
+    """Without a tuned entry, Hopper runs the warp-specialized gate/up GEMM beyond 16 rows an expert and the
+    down one too from 64 rows (``untuned_config``), at run lengths those kernels take; elsewhere Triton's."""
+    config = untuned_config(rows, hopper=True)
+    assert config["BLOCK_M"] == block_m and (config["gate_up"].get("KERNEL"), config["down"].get("KERNEL")) == kernels
+    if kernels[0]:
+        assert moe_sm90_ws.fits(dict(config["gate_up"], BLOCK_M=block_m))
+    if kernels[1]:
+        assert gemm_sm90_ws.fits(dict(config["down"], BLOCK_M=block_m))
+    assert untuned_config(rows)["gate_up"].get("KERNEL") is None and untuned_config(rows)["down"].get("KERNEL") is None
 
 
 def test_bad_routing_is_named():

@@ -31,6 +31,25 @@ def test_block_scaled_gemm_deepseek_shapes(m, n, k):
     assert_close(out, expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2, name="gemm")
 
 
+# DeepSeek-V3's linear layers as one of eight tensor-parallel ranks holds them (vLLM 0.26), which the
+# shipped tables do not hold: the untuned Hopper default runs them (docs/gpu-runbook.md)
+TP8_SHAPES = [(3072, 1536), (4096, 512), (4608, 7168), (7168, 2304), (512, 7168), (7168, 256)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="Hopper")
+@pytest.mark.parametrize("n,k", TP8_SHAPES, ids=[f"n{n}_k{k}" for n, k in TP8_SHAPES])
+@pytest.mark.parametrize("m", [256, 300, 4096])
+def test_untuned_hopper_default_tp8_shapes(m, n, k):
+    from common_kernels.fp8.gemm import default_config
+
+    config = default_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count, hopper=True)
+    a, a_scale = quantize_per_token_group(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    b, b_scale = quantize_weight_blocks_ref(torch.randn(n, k, device="cuda") * 0.02)
+    out = block_scaled_gemm(a, a_scale, b, b_scale, config=config)
+    expected = block_scaled_gemm_ref(a, a_scale, b, b_scale, torch.float32)
+    assert_close(out, expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2, name=f"gemm {config}")
+
+
 @pytest.mark.parametrize("k", [7168, 18432, 2112])
 def test_token_quant_deepseek_widths(k):
     x = torch.randn(512, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-2, 2, 512, device="cuda")[:, None]
@@ -56,6 +75,29 @@ def test_fused_moe_deepseek_experts(tokens):
     rows = min(tokens, 8)  # the reference loops in Python
     expected = fused_moe_fp8_ref(x[:rows], w13, s13, w2, s2, weights[:rows], ids[:rows])
     assert_close(out[:rows], expected, atol=2e-2, rtol=2e-2, name="moe")
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="Hopper")
+@pytest.mark.parametrize("tokens", [700, 4096])
+def test_fused_moe_untuned_hopper_tp8_experts(tokens):
+    """DeepSeek-V3's 256 experts as one of eight tensor-parallel ranks holds them (intermediate 256), top 8,
+    under the untuned Hopper launch (warp-specialized gate/up; at 4096 tokens, 128 rows an expert, down too)."""
+    from common_kernels.fp8 import fused_moe_fp8
+    from common_kernels.fp8.moe import untuned_config
+    from common_kernels.fp8.reference import fused_moe_fp8_ref
+
+    experts, top_k, hidden, inter = 256, 8, 7168, 256
+    w13, s13 = quantize_weight_blocks_ref(torch.randn(experts * 2 * inter, hidden, device="cuda") * 0.02)
+    w2, s2 = quantize_weight_blocks_ref(torch.randn(experts, hidden, inter, device="cuda").flatten(0, 1) * 0.02)
+    w13, s13 = w13.view(experts, 2 * inter, hidden), s13.view(experts, 2 * inter // 128, hidden // 128)
+    w2, s2 = w2.view(experts, hidden, inter), s2.view(experts, hidden // 128, inter // 128)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(top_k, dim=-1)
+    config = untuned_config(tokens * top_k / experts, hopper=True)
+    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=config)
+    rows = 8  # the reference loops in Python
+    expected = fused_moe_fp8_ref(x[:rows], w13, s13, w2, s2, weights[:rows], ids[:rows])
+    assert_close(out[:rows], expected, atol=2e-2, rtol=2e-2, name=f"moe {config}")
 
 
 @pytest.mark.parametrize("tokens", [1, 4096, 20000])
