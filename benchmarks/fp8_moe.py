@@ -38,11 +38,16 @@ WS_CONFIG = {"BLOCK_M": 128, "gate_up": {"KERNEL": "sm90_ws", "BLOCK_N": 128, "n
 
 
 def expert_weights(experts, rows, cols):
-    w = torch.randn(experts, rows, cols, device="cuda") * 0.02
-    blocks = w.view(experts, rows // 128, 128, cols // 128, 128)
-    scale = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-10) / 448.0
-    q = (blocks / scale[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(experts, rows, cols)
-    return q, scale.float().contiguous()
+    """Random E4M3 experts ``[E, rows, cols]`` at init scale with their 128 x 128 block scales, made one
+    expert at a time (all of DeepSeek-V3's gate/up weights would take 30 GB in fp32, more than an H100's
+    room for three such temporaries)."""
+    q = torch.empty(experts, rows, cols, dtype=torch.float8_e4m3fn, device="cuda")
+    scale = torch.empty(experts, rows // 128, cols // 128, device="cuda")
+    for e in range(experts):
+        blocks = (torch.randn(rows, cols, device="cuda") * 0.02).view(rows // 128, 128, cols // 128, 128)
+        scale[e] = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-10) / 448.0
+        q[e] = (blocks / scale[e][:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(rows, cols)
+    return q, scale
 
 
 def exact_moe(x, w13, s13, w2, s2, weights, ids):
