@@ -33,6 +33,10 @@ from common_kernels.fp8.gemm import gemm_config  # noqa: E402
 from common_kernels.fp8.reference import dequantize_weight_blocks_ref, quantize_weight_blocks_ref  # noqa: E402
 
 SHAPES = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
+# The same model's linear layers as each of eight tensor-parallel ranks holds them in vLLM 0.26 (column-parallel
+# layers split N eight ways, row-parallel ones K): q_b_proj, kv_b_proj, the dense layers' gate/up and down, the
+# shared experts' gate/up and down (o_proj's (7168, 2048) is in SHAPES; fused_qkv_a_proj is replicated)
+TP8_SHAPES = [(3072, 1536), (4096, 512), (4608, 7168), (7168, 2304), (512, 7168), (7168, 256)]
 
 
 def shape_arg(text: str) -> tuple[int, int]:
