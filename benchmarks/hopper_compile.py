@@ -159,13 +159,15 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
                               maxnreg=maxnreg, typed=typed)
 
 
-def gemm_report(block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None = None) -> HopperReport:
-    """The block-scaled fp8 GEMM kernel at one launch config (``maxnreg``: the config's register cap)."""
+def gemm_report(block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None = None,
+                swap_ab: bool = False) -> HopperReport:
+    """The block-scaled fp8 GEMM kernel at one launch config (``maxnreg``: the config's register cap;
+    ``swap_ab``: products as ``B A^T``)."""
     from common_kernels.fp8 import gemm
 
     pointers = dict(a_ptr=torch.float8_e4m3fn, b_ptr=torch.float8_e4m3fn, c_ptr=torch.bfloat16,
                     a_scale_ptr=torch.float32, b_scale_ptr=torch.float32)
-    constexprs = dict(BLOCK_K=gemm.SCALE_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8)
+    constexprs = dict(BLOCK_K=gemm.SCALE_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8, SWAP_AB=swap_ab)
     return compile_for_hopper(gemm._block_scaled_gemm_kernel, pointers, constexprs, num_warps, num_stages,
                               unaligned=("M", "splits", "stride_asm", "stride_bsn"), maxnreg=maxnreg)
 
@@ -226,6 +228,8 @@ def every_kernel_report() -> dict[str, HopperReport]:
         dict(GROUP=128, POW2_SCALE=False, TRACK_STATS=True, BLOCK_ROWS=quant.GROUP_BLOCK_ROWS, **e4m3), 4, 3,
         floats=("quant_eps",), unaligned=("num_rows", "half", "stride_s"))
     reports["gemm 64x128"] = gemm_report(64, 128, 4, 4)
+    for swap_ab in (False, True):  # decode's 16-row tiles: products as A B^T, or as B A^T (SWAP_AB)
+        reports[f"gemm 16x128{', swapped' if swap_ab else ''}"] = gemm_report(16, 128, 4, 4, swap_ab=swap_ab)
     for bn in (128, 64):  # the Gluon GEMM (gemm_sm90): its wgmma must not be serialized by ptxas
         reports[f"gemm sm90 128x{bn}"] = compile_for_hopper(
             gemm_sm90.block_scaled_gemm_kernel_sm90, dict(a_ptr=fp8, b_ptr=fp8, c_ptr=bf16, a_scale_ptr=f32,
@@ -280,18 +284,24 @@ def every_kernel_report() -> dict[str, HopperReport]:
         moe._scatter_by_expert_kernel, dict(ids_ptr=i32, sorted_ids_ptr=i32, position_ptr=i32, cursor_ptr=i32),
         dict(E_PAD=512, CHUNK=2048), 4, 3, unaligned=("pairs", "num_experts"))
     # gate/up also with its quantizing epilogue (the intermediate stored as E4M3 and group scales); "capped":
-    # launches tune_fp8_moe tries under a register cap, three programs a multiprocessor
-    for name, gated, quantizing, block_m, warps, stages, maxnreg in (
-            ("gate/up", True, False, 64, 8, 4, None), ("gate/up, quantizing", True, True, 64, 8, 4, None),
-            ("down", False, False, 64, 4, 3, None), ("gate/up, quantizing, capped", True, True, 16, 4, 3, 168),
-            ("down, capped", False, False, 64, 4, 3, 168)):
+    # launches tune_fp8_moe tries under a register cap, three programs a multiprocessor; 16-row runs (decode)
+    # with products as A B^T, or as B A^T ("swapped")
+    for name, gated, quantizing, block_m, warps, stages, maxnreg, swap_ab in (
+            ("gate/up", True, False, 64, 8, 4, None, False), ("gate/up, quantizing", True, True, 64, 8, 4, None, False),
+            ("down", False, False, 64, 4, 3, None, False),
+            ("gate/up, quantizing, capped", True, True, 16, 4, 3, 168, False),
+            ("down, capped", False, False, 64, 4, 3, 168, False),
+            ("gate/up, quantizing, 16-row runs", True, True, 16, 4, 4, None, False),
+            ("gate/up, quantizing, 16-row runs, swapped", True, True, 16, 4, 4, None, True),
+            ("down, 16-row runs", False, False, 16, 4, 4, None, False),
+            ("down, 16-row runs, swapped", False, False, 16, 4, 4, None, True)):
         reports[f"moe {name} gemm"] = compile_for_hopper(
             moe._moe_gemm_kernel,
             dict(a_ptr=fp8, a_scale_ptr=f32, b_ptr=fp8, b_scale_ptr=f32, c_ptr=fp8 if quantizing else bf16,
                  c_scale_ptr=f32, stats_ptr=i32, sorted_ids_ptr=i32, block_expert_ptr=i32, weights_ptr=f32),
             dict(ROWS_PER_A=8 if gated else 1, A_SORTED=not gated, GATED=gated, APPLY_WEIGHT=not gated, BLOCK_M=block_m, BLOCK_N=128,
                  BLOCK_K=128, QUANT_OUT=quantizing, MID_DTYPE=tl.bfloat16, TRACK_STATS=quantizing, ONE_SCALE=True,
-                 **e4m3),
+                 SWAP_AB=swap_ab, **e4m3),
             warps, stages, floats=("eps",), unaligned=("num_pairs", "stride_asm", "stride_bsn", "stride_csm"),
             maxnreg=maxnreg)
     reports["moe slot sum"] = compile_for_hopper(
@@ -316,6 +326,7 @@ def main(argv=None):
     gemm.add_argument("--warps", type=int, default=4)
     gemm.add_argument("--stages", type=int, default=4)
     gemm.add_argument("--maxnreg", type=int, help="the config's register cap a thread (more programs an SM)")
+    gemm.add_argument("--swap-ab", action="store_true", help="products as B A^T (the config's SWAP_AB)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("TRITON_INTERPRET=1 replaces compiled kernels by the interpreter: unset it")
@@ -335,8 +346,8 @@ def main(argv=None):
         reports = every_kernel_report()
     else:
         label = f"gemm {args.block[0]}x{args.block[1]}, {args.warps} warps, {args.stages} stages"
-        label += f", maxnreg {args.maxnreg}" if args.maxnreg else ""
-        reports[label] = gemm_report(*args.block, args.warps, args.stages, args.maxnreg)
+        label += (f", maxnreg {args.maxnreg}" if args.maxnreg else "") + (", swapped" if args.swap_ab else "")
+        reports[label] = gemm_report(*args.block, args.warps, args.stages, args.maxnreg, args.swap_ab)
     if args.json:
         print(json.dumps([{"label": label, **dataclasses.asdict(report)} for label, report in reports.items()]))
     else:

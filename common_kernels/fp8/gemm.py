@@ -32,10 +32,13 @@ def _block_scaled_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr,
     M, N, K, stride_am, stride_bn, stride_cm, stride_cs, stride_asm, stride_bsn,
     splits, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` tile over the K blocks of split ``program_id(1)`` of ``splits``.
     Tiles are ordered in groups of ``GROUP_M`` rows of tiles, so neighbouring programs share B in
-    L2. With ``splits > 1``, c is the fp32 ``[splits, M, N]`` partial of ``_split_k_sum_kernel``."""
+    L2. With ``splits > 1``, c is the fp32 ``[splits, M, N]`` partial of ``_split_k_sum_kernel``.
+    ``SWAP_AB``: the products are taken as ``B A^T`` (B's rows as the MMA's M, at least 64 on Hopper's
+    wgmma; A's few rows as its N) into a ``[BLOCK_N, BLOCK_M]`` sum, transposed once at the end."""
     pid, split = tl.program_id(0), tl.program_id(1)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * tiles_n)
@@ -55,17 +58,29 @@ def _block_scaled_gemm_kernel(
     b_scale_tile = b_scale_ptr + pid_n.to(tl.int64) * stride_bsn  # when BLOCK_N == BLOCK_K
     k_blocks = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_blocks, splits)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for kb in range(split * per_split, tl.minimum(split * per_split + per_split, k_blocks)):
         mask_k = kb * BLOCK_K + offs_k < K
         a = tl.load(a_rows + kb * BLOCK_K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_rows + kb * BLOCK_K + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         a_s = tl.load(a_scales + kb, mask=mask_m, other=0.0)
         if BLOCK_N == BLOCK_K:  # the tile is one weight block wide: one weight scale, one multiply an output
-            acc += tl.dot(a, tl.trans(b)) * (a_s * tl.load(b_scale_tile + kb))[:, None]
+            a_s = a_s * tl.load(b_scale_tile + kb)
+            if SWAP_AB:
+                acc += tl.dot(b, tl.trans(a)) * a_s[None, :]
+            else:
+                acc += tl.dot(a, tl.trans(b)) * a_s[:, None]
         else:
             b_s = tl.load(b_scales + kb, mask=mask_n, other=0.0)
-            acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]  # [BLOCK_M, BLOCK_N]
+            if SWAP_AB:
+                acc += tl.dot(b, tl.trans(a)) * b_s[:, None] * a_s[None, :]  # [BLOCK_N, BLOCK_M]
+            else:
+                acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]  # [BLOCK_M, BLOCK_N]
+    if SWAP_AB:
+        acc = tl.trans(acc)
     c = c_ptr + split.to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -152,8 +167,8 @@ def block_scaled_gemm(
         b_scale: ``[cdiv(N, 128), cdiv(K, 128)]`` fp32, one scale per 128 x 128 block.
         out_dtype: bf16 or fp16. ``out``: optional ``[M, N]`` buffer, last dim contiguous.
         config: launch parameters (``BLOCK_M``, ``BLOCK_N``, ``SPLIT_K``, ``GROUP_M``, ``num_warps``,
-            ``num_stages``); default ``gemm_config``, a table tuned per GPU and (N, K), then a
-            heuristic (the heuristic's where the table names a Hopper kernel and an operand is not
+            ``num_stages``, optionally ``SWAP_AB``: products as ``B A^T``); default ``gemm_config``, a
+            table tuned per GPU and (N, K), then a heuristic (the heuristic's where the table names a Hopper kernel and an operand is not
             E4M3 or its rows are not 16-byte aligned). ``SPLIT_K > 1`` sums fp32 partials in a second
             kernel. ``"KERNEL": "sm90"`` runs ``gemm_sm90``'s Gluon kernel, ``"sm90_ws"`` the warp-specialized one of
             ``gemm_sm90_ws`` (Hopper; their ``fits`` say which configs).
@@ -207,6 +222,7 @@ def _launch(a, a_scale, b, b_scale, out, config: dict) -> None:
         a, b, partial, a_scale, b_scale, m, n, k, a.stride(0), b.stride(0),
         out.stride(0) if split == 1 else n, partial.stride(0) if split > 1 else 0, a_scale.stride(0), b_scale.stride(0),
         split, BLOCK_K=SCALE_BLOCK, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], GROUP_M=config["GROUP_M"],
+        SWAP_AB=config.get("SWAP_AB", False),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
         **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}),  # a register cap: more programs an SM
     )

@@ -49,7 +49,8 @@ BLOCK_M = 16 if _INTERPRET else 64
 # The launch of both GEMMs: ``BLOCK_M`` (the alignment of each expert's run) and, per GEMM
 # (``gate_up``, ``down``), ``BLOCK_N``, ``num_warps`` and ``num_stages``; either may also name
 # ``"KERNEL": "sm90_ws"``, a warp-specialized Hopper kernel: ``moe_sm90_ws`` for gate/up (64-row tiles,
-# ``BLOCK_N`` 128), ``gemm_sm90_ws`` grouped by expert for down (128-row runs).
+# ``BLOCK_N`` 128), ``gemm_sm90_ws`` grouped by expert for down (128-row runs); a Triton launch may set
+# ``"SWAP_AB": True``, products as B A^T (runs under 64 rows then reach Hopper's wgmma).
 DEFAULT_CONFIG = {
     "BLOCK_M": BLOCK_M,
     "gate_up": {"BLOCK_N": 32 if _INTERPRET else 128, "num_warps": 4, "num_stages": 1 if _INTERPRET else 3},
@@ -216,7 +217,7 @@ def _moe_gemm_kernel(
     ROWS_PER_A: tl.constexpr, A_SORTED: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT_OUT: tl.constexpr, MID_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
-    MIN_EXP: tl.constexpr, TRACK_STATS: tl.constexpr, ONE_SCALE: tl.constexpr,
+    MIN_EXP: tl.constexpr, TRACK_STATS: tl.constexpr, ONE_SCALE: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """One ``BLOCK_M`` run of one expert times a ``BLOCK_N`` slice of its weights, stored at the
     run's sorted rows; ``GATED``, padding rows too (as zeros: their A rows load as zeros). A's row of
@@ -226,7 +227,9 @@ def _moe_gemm_kernel(
     ``QUANT_OUT`` (``BLOCK_N`` a multiple of ``BLOCK_K``): the output is stored as ``MID_DTYPE`` would
     hold it, quantized per row and ``BLOCK_K`` columns (``c_ptr`` fp8, ``c_scale_ptr`` fp32), as
     ``quantize_per_token_group`` would quantize the stored intermediate. ``ONE_SCALE``: each
-    ``BLOCK_N`` slice of weight rows (gate and up) lies in one weight block."""
+    ``BLOCK_N`` slice of weight rows (gate and up) lies in one weight block. ``SWAP_AB``: the products
+    are taken as ``B A^T`` (weight rows as the MMA's M, at least 64 on Hopper's wgmma; the run's rows
+    as its N, 8 or 16 will do) into ``[BLOCK_N, BLOCK_M]`` sums, transposed once after the K loop."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -243,17 +246,24 @@ def _moe_gemm_kernel(
     a_scales = a_scale_ptr + row * stride_asm
     b_expert = b_ptr + expert * stride_be
     bs_expert = b_scale_ptr + expert * stride_bse
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         mask_k = kb * BLOCK_K + offs_k < K
         a = tl.load(a_rows + kb * BLOCK_K + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         a_s = tl.load(a_scales + kb, mask=mask_m, other=0.0)
         acc += _block_dot(a, a_s, b_expert, bs_expert, pid_n * BLOCK_N, offs_n, mask_n, offs_k, mask_k, kb,
-                          stride_bn, stride_bsn, BLOCK_K, ONE_SCALE)
+                          stride_bn, stride_bsn, BLOCK_K, ONE_SCALE, SWAP_AB)
         if GATED:
             acc_up += _block_dot(a, a_s, b_expert, bs_expert, pid_n * BLOCK_N + N, offs_n + N, mask_n, offs_k, mask_k,
-                                 kb, stride_bn, stride_bsn, BLOCK_K, ONE_SCALE)
+                                 kb, stride_bn, stride_bsn, BLOCK_K, ONE_SCALE, SWAP_AB)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+        acc_up = tl.trans(acc_up)
     if GATED:
         acc = silu_gate(acc, acc_up)
     if APPLY_WEIGHT:
@@ -278,15 +288,25 @@ def _moe_gemm_kernel(
 
 @triton.jit
 def _block_dot(a, a_s, b_expert, bs_expert, first_row, rows, mask_rows, offs_k, mask_k, kb, stride_bn, stride_bsn,
-               BLOCK_K: tl.constexpr, ONE_SCALE: tl.constexpr):
-    """``a @ B[rows, K block kb]^T`` with the activation and weight block scales applied; ``rows``
-    start at ``first_row``, and with ``ONE_SCALE`` lie in one weight block: one multiply an output."""
+               BLOCK_K: tl.constexpr, ONE_SCALE: tl.constexpr, SWAP_AB: tl.constexpr):
+    """``a @ B[rows, K block kb]^T`` with the activation and weight block scales applied, or with
+    ``SWAP_AB`` its transpose ``B[rows, K block kb] @ a^T``; ``rows`` start at ``first_row``, and with
+    ``ONE_SCALE`` lie in one weight block: one multiply an output."""
     b = tl.load(b_expert + rows.to(tl.int64)[:, None] * stride_bn + kb * BLOCK_K + offs_k[None, :],
                 mask=mask_rows[:, None] & mask_k[None, :], other=0.0)
     if ONE_SCALE:
-        return tl.dot(a, tl.trans(b)) * (a_s * tl.load(bs_expert + (first_row // BLOCK_K) * stride_bsn + kb))[:, None]
-    b_s = tl.load(bs_expert + (rows // BLOCK_K).to(tl.int64) * stride_bsn + kb, mask=mask_rows, other=0.0)
-    return tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+        a_s = a_s * tl.load(bs_expert + (first_row // BLOCK_K) * stride_bsn + kb)
+        if SWAP_AB:
+            product = tl.dot(b, tl.trans(a)) * a_s[None, :]
+        else:
+            product = tl.dot(a, tl.trans(b)) * a_s[:, None]
+    else:
+        b_s = tl.load(bs_expert + (rows // BLOCK_K).to(tl.int64) * stride_bsn + kb, mask=mask_rows, other=0.0)
+        if SWAP_AB:
+            product = tl.dot(b, tl.trans(a)) * b_s[:, None] * a_s[None, :]
+        else:
+            product = tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+    return product
 
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -316,7 +336,7 @@ def _moe_gemm(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pairs, weights,
         QUANT_OUT=quant_out, MID_DTYPE=_TL_DTYPES[mid_dtype] if quant_out else tl.float32, FP8_MAX=fp8_max,
         MANT_BITS=mant_bits, MIN_EXP=min_exp, TRACK_STATS=quant_out and stats is not None,
         # 128-column tiles of 128-aligned gate and up halves: one weight scale a K block (as gemm.py)
-        ONE_SCALE=launch["BLOCK_N"] == SCALE_BLOCK and n % SCALE_BLOCK == 0,
+        ONE_SCALE=launch["BLOCK_N"] == SCALE_BLOCK and n % SCALE_BLOCK == 0, SWAP_AB=launch.get("SWAP_AB", False),
         num_warps=launch["num_warps"], num_stages=launch["num_stages"],
         **({"maxnreg": launch["maxnreg"]} if "maxnreg" in launch else {}),  # a register cap: more programs an SM
     )

@@ -27,7 +27,7 @@ def hopper_compile(*args: str, **environ: str) -> dict:
 
 def test_every_kernel_compiles_for_hopper():
     reports = hopper_compile("all")
-    assert len(reports) == 36
+    assert len(reports) == 42
     for label, report in reports.items():
         if label.startswith("decode, "):
             assert report["async_copies"] + report["tma_copies"] > 0, f"{label}: the tile loads are not asynchronous"
@@ -83,6 +83,13 @@ def test_every_kernel_compiles_for_hopper():
         assert capped["registers"] <= 168 and capped["spill_bytes"] <= 128, label
         assert 3 * capped["shared_bytes"] <= 227 * 1024, label
     assert reports["moe down gemm"]["registers"] > 168 and reports["moe down, capped gemm"]["wgmma"] > 0
+    # tiles of 16 rows (decode): as A B^T Triton falls back to mma.sync (Hopper's wgmma takes at least 64 rows
+    # as its M); as B A^T (SWAP_AB) the weight's rows fill wgmma's M and the 16 rows its N, without spills
+    for label in ("gemm 16x128", "moe gate/up, quantizing, 16-row runs gemm", "moe down, 16-row runs gemm"):
+        swapped = reports[label.replace(" gemm", ", swapped gemm") if label.startswith("moe") else label + ", swapped"]
+        assert reports[label]["wgmma"] == 0 < swapped["wgmma"], label
+        assert swapped["mma_layouts"] == ["warpsPerCTA = [4, 1], instrShape = [16, 16, 32]"], label
+        assert swapped["spill_bytes"] == 0 and swapped["async_copies"] > 0, label
     for label in ("decode, 128 heads, bf16", "decode, 128 heads, e4m3"):
         _assert_partitions_keep_their_barriers(reports[label], label)
     assert reports["decode, 16 heads, bf16"]["tma_copies"] == 0 < reports["decode, 16 heads, bf16"]["async_copies"]

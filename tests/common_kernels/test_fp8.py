@@ -135,12 +135,15 @@ def test_block_scaled_gemm_matches_reference(m, n, k, out_dtype):
     "config",
     [dict(BLOCK_M=16, BLOCK_N=32, SPLIT_K=1, GROUP_M=1), dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=3, GROUP_M=2),
      dict(BLOCK_M=32, BLOCK_N=32, SPLIT_K=8, GROUP_M=4), dict(BLOCK_M=16, BLOCK_N=128, SPLIT_K=2, GROUP_M=1, maxnreg=168),
-     dict(BLOCK_M=16, BLOCK_N=256, SPLIT_K=1, GROUP_M=1)],
+     dict(BLOCK_M=16, BLOCK_N=256, SPLIT_K=1, GROUP_M=1),
+     dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=3, GROUP_M=2, SWAP_AB=True),
+     dict(BLOCK_M=32, BLOCK_N=128, SPLIT_K=1, GROUP_M=1, SWAP_AB=True)],
     ids=["one_split", "three_uneven_splits", "more_splits_than_k_blocks", "one_weight_block_wide",
-         "two_weight_blocks_wide"],
+         "two_weight_blocks_wide", "swapped_three_splits", "swapped_one_weight_block_wide"],
 )
 def test_block_scaled_gemm_configs_agree(config):
-    """Every launch shape (K splits, grouped tile order, a strided output) gives the reference's result."""
+    """Every launch shape (K splits, grouped tile order, products as B A^T, a strided output) gives the
+    reference's result."""
     m, n, k = 37, 200, 5 * 128 - 64  # 3 row tiles of 16, 5 K blocks (the last one half)
     a, a_scale = quantize_per_token_group_ref(torch.randn(m, k, device=device()))
     b, b_scale = quantize_weight_blocks_ref(torch.randn(n, k, device=device()) * 0.05)

@@ -165,6 +165,12 @@ LAUNCHES = {
     # down tiles one weight block wide (one weight scale a K block); gate/up ones straddle blocks (I = 192)
     "one_weight_block_tiles": {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1},
                                "down": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1}},
+    # products as B A^T (weight rows as the MMA's M): 64-wide tiles, then 128-wide ones (the quantizing
+    # epilogue for gate/up, one weight scale a K block for down)
+    "swapped_products": {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "SWAP_AB": True},
+                         "down": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "SWAP_AB": True}},
+    "swapped_wide_tiles": {"BLOCK_M": 32, "gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1, "SWAP_AB": True},
+                           "down": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1, "SWAP_AB": True}},
     # register caps, as benchmarks/tune_fp8_moe.py tries them from 1024 tokens on
     "register_caps": {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1, "maxnreg": 168},
                       "down": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 1, "maxnreg": 128}},
@@ -188,11 +194,11 @@ def test_fused_moe_matches_reference(tokens, launch):
     assert_close(out, expected, atol=2e-2, rtol=2e-2, name="moe out", outliers=1e-3, outlier_tol=0.1)
 
 
-def test_one_weight_block_tiles_with_an_aligned_intermediate():
+@pytest.mark.parametrize("launch", ["one_weight_block_tiles", "swapped_wide_tiles"])
+def test_one_weight_block_tiles_with_an_aligned_intermediate(launch):
     """I = 256: the gate and the up tiles (rows N + ...) each lie in one weight block, as at DeepSeek-V3's sizes."""
     x, w13, s13, w2, s2, weights, ids = moe_inputs(9, inter=256)
-    launch = LAUNCHES["one_weight_block_tiles"]
-    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=launch)
+    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=LAUNCHES[launch])
     expected = fused_moe_fp8_ref(x, w13, s13, w2, s2, weights, ids)
     assert_close(out, expected, atol=2e-2, rtol=2e-2, name="moe out", outliers=1e-3, outlier_tol=0.1)
 
