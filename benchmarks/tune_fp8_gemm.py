@@ -2,8 +2,9 @@
 
 For each DeepSeek-V3 linear shape (``fp8_gemm.SHAPES``, or ``--shapes N,K ...``) and each M, every
 candidate (tile sizes, pipeline stages, warps, K splits; the space depends on M: split K and
-narrow tiles for small M, large tiles for large M; on Hopper from M = 128 also the Gluon kernels
-of ``gemm_sm90``, ``"KERNEL": "sm90"``, and ``gemm_sm90_ws``, ``"KERNEL": "sm90_ws"``) is
+narrow tiles for small M, those of fewer than 64 rows also as ``B A^T`` products (``SWAP_AB``), large
+tiles for large M; on Hopper from M = 128 also the Gluon kernels of ``gemm_sm90``, ``"KERNEL":
+"sm90"``, and ``gemm_sm90_ws``, ``"KERNEL": "sm90_ws"``) is
 compiled, checked against the reference on the same operands, and timed as CUDA-graph replays
 (CUDA-event median, L2 flushed before each): the kernel's GPU time, as engines run decode, without
 the host's launch time, which swamped the small-M rows when timed eagerly. The winners are written
@@ -32,6 +33,9 @@ from common_kernels.fp8.gemm import SCALE_BLOCK, default_config
 from common_kernels.fp8.reference import block_scaled_gemm_ref, quantize_weight_blocks_ref
 
 M_VALUES = [1, 16, 64, 128, 256, 512, 4096]
+# Tiles of fewer rows are also tried with their products as B A^T (SWAP_AB): Hopper's wgmma takes at least 64
+# rows as its M, which the weight's rows then fill, and as few as 8 columns as its N (the activation's rows).
+SWAP_BELOW_BLOCK_M = 64
 
 
 def candidates(m: int, k: int):
@@ -48,6 +52,8 @@ def candidates(m: int, k: int):
         if split == 1 or k_blocks // split >= 2:
             config = dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, GROUP_M=8, num_warps=warps, num_stages=stages)
             yield config
+            if bm < SWAP_BELOW_BLOCK_M and bn >= 64:
+                yield dict(config, SWAP_AB=True)
             if m > 256 and (bm, bn, warps, stages) == (64, 128, 4, 3):  # 177 registers: two programs an SM;
                 yield dict(config, maxnreg=168)  # capped, three (8 bytes of spills; 72 KiB of shared memory each)
     if m >= 128 and k % 16 == 0 and torch.cuda.get_device_capability()[0] == 9:  # the Gluon kernel (gemm_sm90)

@@ -2,7 +2,8 @@
 
 For each shape of ``fp8_moe.SHAPES`` and each token count, every ``BLOCK_M`` (the alignment of each
 expert's run) is tried with every launch of the gate/up GEMM (``BLOCK_N``, warps, stages) under the
-default down GEMM, then every launch of the down GEMM under the best gate/up one; from
+default down GEMM, then every launch of the down GEMM under the best gate/up one; for runs of fewer
+than ``SWAP_BELOW_BLOCK_M`` rows each launch also as ``B A^T`` products (``SWAP_AB``); from
 ``CAPPED_FROM_TOKENS`` tokens on, some under register caps too (``maxnreg``: more programs a
 multiprocessor), and on Hopper from ``WS_FROM_TOKENS`` on the warp-specialized kernels
 (``WS_LAUNCHES``, at the run lengths they take). Each candidate's output is checked against the
@@ -43,10 +44,16 @@ WS_LAUNCHES = {
              for n, s in itertools.product((128, 64), (4, 6))],
 }
 WS_BLOCK_M = {"gate_up": (64, 128), "down": (128,)}
+# Runs of fewer rows are also tried with their products as B A^T (SWAP_AB): Hopper's wgmma takes at least 64
+# rows as its M, which the weight's rows then fill, and as few as 8 columns as its N (the run's rows).
+SWAP_BELOW_BLOCK_M = 64
 
 
 def gemm_launches(tokens: int, stage: str, block_m: int):
     yield from GEMM_LAUNCHES
+    if block_m < SWAP_BELOW_BLOCK_M:
+        for launch in GEMM_LAUNCHES:
+            yield dict(launch, SWAP_AB=True)
     if tokens >= CAPPED_FROM_TOKENS:
         for launch in GEMM_LAUNCHES:
             if launch["BLOCK_N"] == 128 and launch["num_stages"] <= 3:
