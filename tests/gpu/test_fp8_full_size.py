@@ -31,6 +31,18 @@ def test_block_scaled_gemm_deepseek_shapes(m, n, k):
     assert_close(out, expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2, name="gemm")
 
 
+@pytest.mark.parametrize("n,k", SHAPES, ids=[f"n{n}_k{k}" for n, k in SHAPES])
+@pytest.mark.parametrize("m, block_m, block_n, split", [(1, 16, 64, 4), (16, 16, 128, 1), (40, 32, 128, 2)])
+def test_swapped_products_deepseek_shapes(m, block_m, block_n, split, n, k):
+    """``SWAP_AB`` launches (products as B A^T: wgmma for tiles under 64 rows on Hopper) at decode sizes."""
+    config = dict(BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split, GROUP_M=8, num_warps=4, num_stages=4, SWAP_AB=True)
+    a, a_scale = quantize_per_token_group(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    b, b_scale = quantize_weight_blocks_ref(torch.randn(n, k, device="cuda") * 0.02)
+    out = block_scaled_gemm(a, a_scale, b, b_scale, config=config)
+    expected = block_scaled_gemm_ref(a, a_scale, b, b_scale, torch.float32)
+    assert_close(out, expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2, name=f"gemm {config}")
+
+
 # DeepSeek-V3's linear layers as one of eight tensor-parallel ranks holds them (vLLM 0.26), which the
 # shipped tables do not hold: the untuned Hopper default runs them (docs/gpu-runbook.md)
 TP8_SHAPES = [(3072, 1536), (4096, 512), (4608, 7168), (7168, 2304), (512, 7168), (7168, 256)]
@@ -58,9 +70,15 @@ def test_token_quant_deepseek_widths(k):
     assert torch.equal(scales, scales_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+SWAPPED_MOE = {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "SWAP_AB": True},
+               "down": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "SWAP_AB": True}}
+
+
+@pytest.mark.parametrize("config", [None, SWAPPED_MOE], ids=["tuned", "swapped"])
 @pytest.mark.parametrize("tokens", [1, 64, 512])
-def test_fused_moe_deepseek_experts(tokens):
-    """32 of DeepSeek-V3's experts (hidden 7168, intermediate 2048), top 8, random routing."""
+def test_fused_moe_deepseek_experts(tokens, config):
+    """32 of DeepSeek-V3's experts (hidden 7168, intermediate 2048), top 8, random routing; the tuned
+    launch, and 16-row runs with both GEMMs' products as B A^T (``SWAP_AB``)."""
     from common_kernels.fp8 import fused_moe_fp8
     from common_kernels.fp8.reference import fused_moe_fp8_ref
 
@@ -71,7 +89,7 @@ def test_fused_moe_deepseek_experts(tokens):
     w2, s2 = torch.stack([q for q, _ in pairs2]), torch.stack([s for _, s in pairs2])
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     weights, ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(top_k, dim=-1)
-    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids)
+    out = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=config)
     rows = min(tokens, 8)  # the reference loops in Python
     expected = fused_moe_fp8_ref(x[:rows], w13, s13, w2, s2, weights[:rows], ids[:rows])
     assert_close(out[:rows], expected, atol=2e-2, rtol=2e-2, name="moe")
