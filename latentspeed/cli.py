@@ -157,6 +157,24 @@ def _decode_kernel(gpu: dict) -> str:
     return f"Triton (the Gluon kernel needs sm_90; this GPU is sm_{gpu['capability'].replace('.', '')})"
 
 
+def _fp8_tables(gpu: dict) -> dict:
+    """For the FP8 GEMM and MoE, the tuned launch table read on this GPU, or why the defaults run."""
+    from common_kernels.fp8.gemm import tuned_table, tuned_table_path
+
+    if not gpu["available"]:
+        return {kind: "no GPU: the interpreter's launches" for kind in ("gemm", "moe")}
+    report = {}
+    for kind in ("gemm", "moe"):
+        path = tuned_table_path(kind, gpu["name"])
+        if path.is_file():
+            shapes = tuned_table(kind, gpu["name"])
+            report[kind] = f"{path} ({len(shapes)} shapes tuned; others run the untuned defaults)"
+        else:
+            report[kind] = (f"no table for {gpu['name']} ({path.name}): untuned defaults; python -m "
+                            f"benchmarks.tune_fp8_{kind} --out FILE, then LATENTSPEED_FP8_{kind.upper()}_CONFIGS=FILE")
+    return report
+
+
 def info(as_json: bool) -> int:
     import torch
 
@@ -166,6 +184,7 @@ def info(as_json: bool) -> int:
         "fp8_guard": os.environ.get("LATENTSPEED_FP8_GUARD", "warn"),
     }
     report["mla_decode_kernel"] = _decode_kernel(report["gpu"])
+    report["fp8_tables"] = _fp8_tables(report["gpu"])
     report["components"] = _vllm_components(report["gpu"]) + _sglang_components(report["gpu"])
     if as_json:
         print(json.dumps(report, indent=2))
@@ -175,6 +194,8 @@ def info(as_json: bool) -> int:
     print(f"gpu: {gpu['name']} (compute capability {gpu['capability']})" if gpu["available"] else "gpu: none")
     print(f"torch sees CUDA: {torch.cuda.is_available()}; fp8 guard: {report['fp8_guard']}")
     print(f"MLA decode kernel: {report['mla_decode_kernel']}")
+    for kind, table in report["fp8_tables"].items():
+        print(f"fp8 {kind} launch table: {table}")
     width = max(len(c["component"]) for c in report["components"])
     for c in report["components"]:
         print(f"  {c['component']:<{width}}  {'usable' if c['usable'] else 'NOT usable'}: {c['why']}")

@@ -37,3 +37,20 @@ def test_unknown_command_is_refused():
     proc = run_cli("serve-everything")
     assert proc.returncode == 2
     assert "invalid choice" in proc.stderr
+
+
+def test_info_names_the_fp8_launch_table_of_the_gpu(monkeypatch):
+    """``latentspeed info``'s ``fp8_tables``: the shipped H200 tables, and for a card without one (an H100) that
+    the untuned defaults run and how to tune."""
+    from latentspeed.cli import _fp8_tables
+
+    for kind in ("GEMM", "MOE"):
+        monkeypatch.delenv(f"LATENTSPEED_FP8_{kind}_CONFIGS", raising=False)
+    assert _fp8_tables({"available": False}) == {"gemm": "no GPU: the interpreter's launches",
+                                                 "moe": "no GPU: the interpreter's launches"}
+    h200 = _fp8_tables({"available": True, "name": "NVIDIA H200"})
+    assert h200["gemm"].endswith("gemm_NVIDIA_H200.json (6 shapes tuned; others run the untuned defaults)")
+    assert h200["moe"].endswith("moe_NVIDIA_H200.json (2 shapes tuned; others run the untuned defaults)")
+    h100 = _fp8_tables({"available": True, "name": "NVIDIA H100 80GB HBM3"})
+    assert h100["gemm"].startswith("no table for NVIDIA H100 80GB HBM3 (gemm_NVIDIA_H100_80GB_HBM3.json)")
+    assert "python -m benchmarks.tune_fp8_moe --out FILE, then LATENTSPEED_FP8_MOE_CONFIGS=FILE" in h100["moe"]

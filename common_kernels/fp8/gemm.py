@@ -119,13 +119,18 @@ def default_config(m: int, n: int, k: int, sms: int, hopper: bool = False) -> di
                 num_stages=3 if block_m == 128 else 4)
 
 
+def tuned_table_path(kind: str, device_name: str) -> Path:
+    """Where the ``kind`` (``gemm`` or ``moe``) table for this GPU is read from:
+    ``LATENTSPEED_FP8_<KIND>_CONFIGS``, else ``configs/<kind>_<GPU name, spaces as _>.json``."""
+    return Path(os.environ.get(f"LATENTSPEED_FP8_{kind.upper()}_CONFIGS")
+                or CONFIG_DIR / f"{kind}_{device_name.replace(' ', '_')}.json")
+
+
 @functools.cache
 def tuned_table(kind: str, device_name: str) -> dict:
-    """The ``configs`` of ``configs/<kind>_<GPU name>.json`` (written by ``benchmarks/tune_fp8_<kind>.py``),
-    or empty; ``LATENTSPEED_FP8_<KIND>_CONFIGS`` names another file. GEMM: ``{"N,K": {"M": config}}``;
-    MoE: ``{"E,H,I,k": {"tokens": config}}``."""
-    path = Path(os.environ.get(f"LATENTSPEED_FP8_{kind.upper()}_CONFIGS")
-                or CONFIG_DIR / f"{kind}_{device_name.replace(' ', '_')}.json")
+    """The ``configs`` of the table at ``tuned_table_path`` (written by ``benchmarks/tune_fp8_<kind>.py``),
+    or empty where there is none. GEMM: ``{"N,K": {"M": config}}``; MoE: ``{"E,H,I,k": {"tokens": config}}``."""
+    path = tuned_table_path(kind, device_name)
     return json.loads(path.read_text())["configs"] if path.is_file() else {}
 
 
