@@ -13,7 +13,9 @@ model's (8 experts, top 2, hidden 1024, intermediate 256) and the reference mode
 tokens routed at random.
 CUDA-event medians (``triton.testing.do_bench``, L2 flushed), of eager calls (host launch overhead
 included) or, with ``--cuda-graph``, of CUDA-graph replays (the GPU work alone, as engines run decode).
-Each output is compared with the exact MoE, and each engine's with ours. ``--ws`` adds
+Each output is compared with the exact MoE, and each engine's with ours; ``workspace_mib`` is the GPU
+memory one eager call takes at its peak beyond what was allocated before it (intermediates, output; a
+workspace an engine keeps from an earlier call is not counted again). ``--ws`` adds
 ``latentspeed-sm90-ws``: both GEMMs on the warp-specialized Hopper kernels at one launch
 (``WS_CONFIG``), whatever the tuned table says.
 
@@ -60,6 +62,17 @@ def exact_moe(x, w13, s13, w2, s2, weights, ids):
         y = (torch.nn.functional.silu(gate) * up) @ dequantize_weight_blocks_ref(w2[e], s2[e]).T
         out.index_add_(0, rows, y * weights[rows, slot, None])
     return out
+
+
+def transient_mib(fn) -> float:
+    """The GPU memory one eager call takes beyond what was allocated before it (its buffers and output),
+    at its peak, in MiB."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
 def rel_diff(out, ref):
@@ -161,6 +174,7 @@ def main():
             outs, exact = {}, exact_moe(x, w13, s13, w2, s2, weights, ids)
             for name, fn in providers.items():
                 try:
+                    workspace_mib = transient_mib(fn)
                     fn = in_cuda_graph(fn) if args.cuda_graph else fn
                     outs[name] = fn().float()
                     ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
@@ -171,7 +185,8 @@ def main():
                     continue
                 flops = 2 * tokens * top_k * (2 * inter * hidden + hidden * inter)
                 row = dict(shape=shape, tokens=tokens, provider=name, cuda_graph=args.cuda_graph, us=ms * 1e3,
-                           tflop_s=flops / ms / 1e9, rel_err_vs_exact=rel_diff(outs[name], exact))
+                           tflop_s=flops / ms / 1e9, rel_err_vs_exact=rel_diff(outs[name], exact),
+                           workspace_mib=workspace_mib)
                 if name in served_by:
                     row["served_by"] = served_by[name]
                 if name.startswith(("vLLM", "SGLang")):
