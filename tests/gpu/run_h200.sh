@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke clocks kernels ncu bench bench-small paired-check tune-gemm tune-moe tune-tp8 untuned-ab fp8-bench fp8-bench-graph moe-bench moe-ws moe-gemms producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke clocks kernels ncu bench bench-small paired-check tune-gemm tune-moe tune-tp8 tune-small untuned-ab fp8-bench fp8-bench-graph moe-bench moe-ws moe-gemms producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
 #                                         bundle on PYTHONPATH), fp8-bench-sglang moe-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8 sglang-e2e-w8-fused
 #                                         sglang-ct-e2e sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         refmodel (train the reference model; no engine needed),
@@ -16,6 +16,21 @@ out=${OUT:-gpu-out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 refmodel=${REFMODEL:-/tmp/refmodel}
 status=0
+# tune-tp8 and tune-small tune into $out/{gemm,moe}_configs.json: the tables an earlier step wrote there, else
+# copies of this card's shipped ones (else empty); the later steps use them
+start_tables() {
+  local card kind shipped
+  card=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_'))")
+  for kind in gemm moe; do
+    shipped=common_kernels/fp8/configs/${kind}_$card.json
+    if [ ! -f "$out/${kind}_configs.json" ]; then
+      if [ -f "$shipped" ]; then cp "$shipped" "$out/${kind}_configs.json"
+      else echo '{"configs": {}}' > "$out/${kind}_configs.json"; fi
+    fi
+  done
+  export LATENTSPEED_FP8_GEMM_CONFIGS=$(realpath "$out")/gemm_configs.json \
+    LATENTSPEED_FP8_MOE_CONFIGS=$(realpath "$out")/moe_configs.json
+}
 for step in "$@"; do
   case $step in
     smoke)
@@ -81,20 +96,20 @@ for step in "$@"; do
     tune-moe)
       python3 -m benchmarks.tune_fp8_moe --out "$out/moe_configs.json" 2>"$out/tune-moe.err" | tee "$out/tune-moe.log" \
         && export LATENTSPEED_FP8_MOE_CONFIGS=$(realpath "$out")/moe_configs.json ;;
-    tune-tp8)  # DeepSeek-V3's shapes under -tp 8 (fp8_gemm.TP8_SHAPES, fp8_moe's deepseek_v3_tp8) tuned into copies of
-      # this card's shipped tables (or new ones), which the later steps use
-      card=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_'))")
+    tune-tp8)  # DeepSeek-V3's shapes under -tp 8 (fp8_gemm.TP8_SHAPES, fp8_moe's deepseek_v3_tp8) added to the tables
+      start_tables
       tp8=$(python3 -c "from benchmarks.fp8_gemm import TP8_SHAPES; print(*(f'{n},{k}' for n, k in TP8_SHAPES))")
-      for kind in gemm moe; do
-        shipped=common_kernels/fp8/configs/${kind}_$card.json
-        [ -f "$shipped" ] && cp "$shipped" "$out/${kind}_configs.json" || echo '{"configs": {}}' > "$out/${kind}_configs.json"
-      done
       python3 -m benchmarks.tune_fp8_gemm --shapes $tp8 --update "$out/gemm_configs.json" --out "$out/gemm_configs.json" \
         2>"$out/tune-tp8.err" | tee "$out/tune-tp8.log" \
         && python3 -m benchmarks.tune_fp8_moe --shapes deepseek_v3_tp8 --update "$out/moe_configs.json" \
-        --out "$out/moe_configs.json" 2>>"$out/tune-tp8.err" | tee -a "$out/tune-tp8.log" \
-        && export LATENTSPEED_FP8_GEMM_CONFIGS=$(realpath "$out")/gemm_configs.json \
-          LATENTSPEED_FP8_MOE_CONFIGS=$(realpath "$out")/moe_configs.json ;;
+        --out "$out/moe_configs.json" 2>>"$out/tune-tp8.err" | tee -a "$out/tune-tp8.log" ;;
+    tune-small)  # the small sizes again with swapped products (SWAP_AB) among the candidates: GEMM M = 1-64 (the
+      # issue's shapes), MoE 1-256 tokens (DeepSeek-V3's experts and the tiny model's), into the tables
+      start_tables
+      python3 -m benchmarks.tune_fp8_gemm --m 1 16 64 --update "$out/gemm_configs.json" --out "$out/gemm_configs.json" \
+        2>"$out/tune-small.err" | tee "$out/tune-small.log" \
+        && python3 -m benchmarks.tune_fp8_moe --shapes deepseek_v3 tiny --tokens 1 16 64 256 \
+        --update "$out/moe_configs.json" --out "$out/moe_configs.json" 2>>"$out/tune-small.err" | tee -a "$out/tune-small.log" ;;
     untuned-ab)  # the Hopper default launches against the Triton-only ones, on the -tp 8 and unsharded shapes
       python3 -m benchmarks.fp8_untuned --out "$out/fp8_untuned.jsonl" 2>&1 | tee "$out/untuned-ab.log" | tail -n 60 ;;
     fp8-bench)
