@@ -24,6 +24,7 @@ import triton
 
 from benchmarks.fp8_moe import SHAPES, expert_weights
 from benchmarks.timing import in_cuda_graph
+from benchmarks.tune_fp8_gemm import SWAP_BELOW_BLOCK_M
 from benchmarks.tuned_tables import starting_configs, write_tuned_table
 from common_kernels.fp8 import fused_moe_fp8
 from common_kernels.fp8.moe import DEFAULT_CONFIG
@@ -44,9 +45,6 @@ WS_LAUNCHES = {
              for n, s in itertools.product((128, 64), (4, 6))],
 }
 WS_BLOCK_M = {"gate_up": (64, 128), "down": (128,)}
-# Runs of fewer rows are also tried with their products as B A^T (SWAP_AB): Hopper's wgmma takes at least 64
-# rows as its M, which the weight's rows then fill, and as few as 8 columns as its N (the run's rows).
-SWAP_BELOW_BLOCK_M = 64
 
 
 def gemm_launches(tokens: int, stage: str, block_m: int):

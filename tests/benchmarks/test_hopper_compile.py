@@ -85,8 +85,11 @@ def test_every_kernel_compiles_for_hopper():
     assert reports["moe down gemm"]["registers"] > 168 and reports["moe down, capped gemm"]["wgmma"] > 0
     # tiles of 16 rows (decode): as A B^T Triton falls back to mma.sync (Hopper's wgmma takes at least 64 rows
     # as its M); as B A^T (SWAP_AB) the weight's rows fill wgmma's M and the 16 rows its N, without spills
-    for label in ("gemm 16x128", "moe gate/up, quantizing, 16-row runs gemm", "moe down, 16-row runs gemm"):
-        swapped = reports[label.replace(" gemm", ", swapped gemm") if label.startswith("moe") else label + ", swapped"]
+    for label, swapped_label in (("gemm 16x128", "gemm 16x128, swapped"),
+                                 ("moe gate/up, quantizing, 16-row runs gemm",
+                                  "moe gate/up, quantizing, 16-row runs, swapped gemm"),
+                                 ("moe down, 16-row runs gemm", "moe down, 16-row runs, swapped gemm")):
+        swapped = reports[swapped_label]
         assert reports[label]["wgmma"] == 0 < swapped["wgmma"], label
         assert swapped["mma_layouts"] == ["warpsPerCTA = [4, 1], instrShape = [16, 16, 32]"], label
         assert swapped["spill_bytes"] == 0 and swapped["async_copies"] > 0, label

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from benchmarks.fp8_gemm import TP8_SHAPES
+from benchmarks.fp8_moe import expert_weights
 from common_kernels.fp8 import block_scaled_gemm, quantize_per_token, quantize_per_token_group
 from common_kernels.fp8.reference import (
     block_scaled_gemm_ref,
@@ -43,15 +45,12 @@ def test_swapped_products_deepseek_shapes(m, block_m, block_n, split, n, k):
     assert_close(out, expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2, name=f"gemm {config}")
 
 
-# DeepSeek-V3's linear layers as one of eight tensor-parallel ranks holds them (vLLM 0.26), which the
-# shipped tables do not hold: the untuned Hopper default runs them (docs/gpu-runbook.md)
-TP8_SHAPES = [(3072, 1536), (4096, 512), (4608, 7168), (7168, 2304), (512, 7168), (7168, 256)]
-
-
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="Hopper")
 @pytest.mark.parametrize("n,k", TP8_SHAPES, ids=[f"n{n}_k{k}" for n, k in TP8_SHAPES])
 @pytest.mark.parametrize("m", [256, 300, 4096])
 def test_untuned_hopper_default_tp8_shapes(m, n, k):
+    """DeepSeek-V3's linear layers as one of eight tensor-parallel ranks holds them, which the shipped
+    tables do not hold, under the untuned Hopper default."""
     from common_kernels.fp8.gemm import default_config
 
     config = default_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count, hopper=True)
@@ -105,10 +104,8 @@ def test_fused_moe_untuned_hopper_tp8_experts(tokens):
     from common_kernels.fp8.reference import fused_moe_fp8_ref
 
     experts, top_k, hidden, inter = 256, 8, 7168, 256
-    w13, s13 = quantize_weight_blocks_ref(torch.randn(experts * 2 * inter, hidden, device="cuda") * 0.02)
-    w2, s2 = quantize_weight_blocks_ref(torch.randn(experts, hidden, inter, device="cuda").flatten(0, 1) * 0.02)
-    w13, s13 = w13.view(experts, 2 * inter, hidden), s13.view(experts, 2 * inter // 128, hidden // 128)
-    w2, s2 = w2.view(experts, hidden, inter), s2.view(experts, hidden // 128, inter // 128)
+    w13, s13 = expert_weights(experts, 2 * inter, hidden)
+    w2, s2 = expert_weights(experts, hidden, inter)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     weights, ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(top_k, dim=-1)
     config = untuned_config(tokens * top_k / experts, hopper=True)
