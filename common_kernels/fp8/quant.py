@@ -79,6 +79,13 @@ def check_group_format(group_size: int, fp8_dtype: torch.dtype) -> None:
         raise ValueError(f"fp8_dtype {fp8_dtype} is not supported: one of {FP8_DTYPES} is")
 
 
+def check_rows_limit(rows_limit: torch.Tensor | None, device: torch.device) -> None:
+    """A row count on the device (``rows_limit``) must be an int32 tensor of one element there."""
+    if rows_limit is not None and (not isinstance(rows_limit, torch.Tensor) or rows_limit.dtype != torch.int32
+                                   or rows_limit.numel() != 1 or rows_limit.device != device):
+        raise ValueError(f"rows_limit must be an int32 tensor of one element on {device}, got {rows_limit!r}")
+
+
 @triton.jit
 def group_tile(num_rows, num_cols, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     """This program's ``BLOCK_ROWS`` rows and group (axis 0 and 1 of the grid): ``(rows, group,
@@ -163,9 +170,7 @@ def quantize_per_token_group(
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be a [M, K] tensor with a contiguous last dim, got {tuple(x.shape)}")
     check_group_format(group_size, fp8_dtype)
-    if rows_limit is not None and (not isinstance(rows_limit, torch.Tensor) or rows_limit.dtype != torch.int32
-                                   or rows_limit.numel() != 1 or rows_limit.device != x.device):
-        raise ValueError(f"rows_limit must be an int32 tensor of one element on {x.device}, got {rows_limit!r}")
+    check_rows_limit(rows_limit, x.device)
     rows, cols = x.shape
     groups = triton.cdiv(cols, group_size)
     q = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)

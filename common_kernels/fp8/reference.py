@@ -134,6 +134,10 @@ def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(x[..., :half]) * x[..., half:]
 
 
-def silu_mul_group_quant_ref(x, group_size=128, fp8_dtype=torch.float8_e4m3fn, pow2_scale=False):
-    """Same contract as ``silu_mul_group_quant``: the activation, then ``quantize_per_token_group_ref``."""
-    return quantize_per_token_group_ref(silu_mul_ref(x), group_size, fp8_dtype, pow2_scale)
+def silu_mul_group_quant_ref(x, group_size=128, fp8_dtype=torch.float8_e4m3fn, pow2_scale=False, padding=None):
+    """Same contract as ``silu_mul_group_quant``: the activation, then ``quantize_per_token_group_ref``;
+    ``padding`` (bool ``[M]``) marks the rows quantized as zeros whatever ``x`` holds (``pair_ids``)."""
+    y = silu_mul_ref(x)
+    if padding is not None:
+        y = torch.where(padding[:, None], 0.0, y).to(x.dtype)
+    return quantize_per_token_group_ref(y, group_size, fp8_dtype, pow2_scale)

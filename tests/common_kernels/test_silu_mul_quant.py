@@ -6,7 +6,7 @@ import torch
 
 from common_kernels.fp8 import quantize_per_token_group, silu_mul_group_quant
 from common_kernels.fp8.reference import silu_mul_group_quant_ref, silu_mul_ref
-from tests.helpers import FP8, assert_quantized_close, device
+from tests.helpers import FP8, assert_close, assert_quantized_close, device
 
 
 def gate_up(rows, half, dtype, seed):
@@ -69,6 +69,56 @@ def test_counts_nonfinite_values():
     assert stats.tolist() == [0, 2]
     assert torch.isnan(scales[0, 0]) and torch.isinf(scales[2, 1])
     assert torch.isfinite(scales[[0, 2], [1, 0]]).all() and torch.isfinite(scales[1]).all()
+
+
+@pytest.mark.parametrize("fp8_name", FP8.keys())
+def test_sorted_moe_rows_padding_and_row_limit(fp8_name, monkeypatch):
+    """Over the fused MoE's sorted rows: rows from ``rows_limit[0]`` on are neither read nor written
+    (they keep the poisoned outputs), padding rows holding NaN and infinities give zeros and are not
+    counted, and the real rows match the reference; a NaN in a real row is counted."""
+    rows, limit, num_pairs = 37, 29, 40
+    x = gate_up(rows, 192, torch.bfloat16, seed=7)
+    ids = torch.arange(rows, dtype=torch.int32, device=device())
+    padding = torch.zeros(rows, dtype=torch.bool, device=device())
+    padding[[0, 5, 6, 17, 28]] = True  # one in the first, second and last row block
+    ids[padding] = num_pairs
+    x[padding] = float("nan")
+    x[17, 3], x[28, 200] = float("inf"), float("-inf")
+    x[limit:] = float("nan")  # past the rows in use: never read
+    x[11, 300] = float("nan")  # an up value of a real row
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        tensor = empty(*args, **kwargs)
+        return tensor.view(torch.uint8).fill_(0x7F).view(tensor.dtype) if tensor.element_size() == 1 \
+            else tensor.fill_(-1.0)
+
+    stats = torch.zeros(2, dtype=torch.int32, device=device())
+    monkeypatch.setattr(torch, "empty", poisoned)
+    q, scales = silu_mul_group_quant(x, fp8_dtype=FP8[fp8_name], stats=stats,
+                                     rows_limit=torch.tensor([limit], dtype=torch.int32, device=device()),
+                                     pair_ids=(ids, num_pairs))
+    monkeypatch.undo()
+    assert stats.tolist() == [0, 1]
+    assert (q[limit:].view(torch.uint8) == 0x7F).all() and (scales[limit:] == -1.0).all()
+    assert (q[:limit][padding[:limit]].view(torch.uint8) == 0).all()
+    real = ~padding[:limit]
+    real[11] = False  # its NaN group: checked below
+    expected = silu_mul_group_quant_ref(x[:limit], fp8_dtype=FP8[fp8_name], padding=padding[:limit])
+    assert_quantized_close((q[:limit][real], scales[:limit][real]), (expected[0][real], expected[1][real]), fp8_name)
+    assert_close(scales[:limit][padding[:limit]], expected[1][padding[:limit]], atol=0, rtol=0, name="padding scales")
+    assert torch.isnan(scales[11, 0]) and torch.isfinite(scales[11, 1])
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(rows_limit=torch.tensor([3])), "rows_limit must be an int32 tensor of one element"),
+    (dict(pair_ids=(torch.zeros(4, dtype=torch.int32), 2)), r"pair_ids\[0\] must be int32 \[2\]"),
+    (dict(pair_ids=(torch.zeros(2, dtype=torch.int64), 2)), r"pair_ids\[0\] must be int32"),
+])
+def test_refuses_bad_row_selections(bad, message):
+    bad = {k: (v.to(device()) if isinstance(v, torch.Tensor) else (v[0].to(device()), v[1])) for k, v in bad.items()}
+    with pytest.raises(ValueError, match=message):
+        silu_mul_group_quant(gate_up(2, 128, torch.bfloat16, seed=1), **bad)
 
 
 @pytest.mark.parametrize("bad, message", [
