@@ -17,12 +17,15 @@ Each output is compared with the exact MoE, and each engine's with ours; ``works
 memory one eager call takes at its peak beyond what was allocated before it (intermediates, output; a
 workspace an engine keeps from an earlier call is not counted again). ``--ws`` adds
 ``latentspeed-sm90-ws``: both GEMMs on the warp-specialized Hopper kernels at one launch
-(``WS_CONFIG``), whatever the tuned table says.
+(``WS_CONFIG``), whatever the tuned table says, and ``latentspeed-sm90-ws-separate``: the same with
+gate/up as bf16 products on the down GEMM's kernel, activated and quantized after it
+(``WS_SEPARATE_CONFIG``, ``SEPARATE_ACT``).
 
     python -m benchmarks.fp8_moe --out benchmarks/results/fp8_moe.json
 """
 
 import argparse
+import functools
 import json
 import sys
 
@@ -37,6 +40,7 @@ SHAPES = {"deepseek_v3": (256, 8, 7168, 2048), "deepseek_v3_tp8": (256, 8, 7168,
           "refmodel": (8, 2, 256, 128)}
 WS_CONFIG = {"BLOCK_M": 128, "gate_up": {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
              "down": {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": 6}}
+WS_SEPARATE_CONFIG = dict(WS_CONFIG, gate_up=dict(WS_CONFIG["down"], SEPARATE_ACT=True))
 
 
 def expert_weights(experts, rows, cols):
@@ -155,8 +159,10 @@ def main():
             # Engines pass check_ids=False (their routers give valid ids): the check is a host synchronization.
             providers = {"latentspeed": lambda: fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, check_ids=False)}
             if args.ws:
-                providers["latentspeed-sm90-ws"] = lambda: fused_moe_fp8(x, w13, s13, w2, s2, weights, ids,
-                                                                         check_ids=False, config=WS_CONFIG)
+                for name, config in (("latentspeed-sm90-ws", WS_CONFIG),
+                                     ("latentspeed-sm90-ws-separate", WS_SEPARATE_CONFIG)):
+                    providers[name] = functools.partial(fused_moe_fp8, x, w13, s13, w2, s2, weights, ids,
+                                                        check_ids=False, config=config)
             try:
                 providers["vLLM-Triton"] = vllm_fused(x, w13, s13, w2, s2, weights, ids)
             except Exception as err:  # vLLM missing on this host

@@ -10,7 +10,9 @@ scales in the column-major layout it reads (converted outside the timed region; 
 ``VLLM_USE_DEEP_GEMM_E8M0=0``).
 
 - gate/up: ours stores ``silu(gate) * up`` quantized (E4M3, I columns); DeepGEMM the bf16 ``[P, 2I]``
-  product, whose activation and quantization are other kernels in vLLM (not timed here).
+  product, whose activation and quantization are other kernels in vLLM (not timed here). Ours under
+  ``SEPARATE_ACT`` twice: ``-products``, the bf16 products alone (DeepGEMM's work), and ``-separate``,
+  with ``silu_mul_group_quant`` after it (what the MoE runs).
 - down: both store bf16 ``[P, H]``; ours also multiplies each row by its routing weight.
 
 Our Triton launch runs at these 128-row runs too (8 warps), not at the tuned table's 64-row runs.
@@ -34,10 +36,11 @@ import triton  # noqa: E402
 
 from benchmarks.fp8_moe import SHAPES, expert_weights  # noqa: E402
 from benchmarks.timing import in_cuda_graph  # noqa: E402
-from common_kernels.fp8 import moe  # noqa: E402
+from common_kernels.fp8 import moe, silu_mul_group_quant  # noqa: E402
 
 WS_GATE_UP = {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": 4}
 WS_DOWN = {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": 6}
+WS_SEPARATE = dict(WS_DOWN, SEPARATE_ACT=True)
 TRITON = {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}  # 128-row tiles: 8 warps hold gate and up
 
 
@@ -63,10 +66,26 @@ def gate_up_providers(x, w13, s13, runs, top_k, weights, a, a_scale, h, h_scale)
                       out_scale=h_scale, mid_dtype=x.dtype)
         return h
 
-    def dequantized():
-        return (h.float().view(h.shape[0], -1, 128) * h_scale[:, :, None]).view(h.shape[0], inter)
+    products = x.new_empty(a.shape[0], 2 * inter)
 
-    providers = {"latentspeed-sm90-ws": (ws, dequantized), "latentspeed-triton": (triton_launch, dequantized)}
+    def ws_products():
+        moe._moe_gemm(a, a_scale, w13, s13, products, runs, pairs, None, None, False, False, WS_SEPARATE)
+        return products
+
+    separate = {}
+
+    def ws_separate():
+        separate["h"] = silu_mul_group_quant(ws_products(), 128, rows_limit=runs.used_rows,
+                                             pair_ids=(runs.sorted_ids, pairs))
+        return separate["h"]
+
+    def dequantized(q=None):
+        q, q_scale = q or (h, h_scale)
+        return (q.float().view(q.shape[0], -1, 128) * q_scale[:, :, None]).view(q.shape[0], inter)
+
+    providers = {"latentspeed-sm90-ws": (ws, dequantized), "latentspeed-triton": (triton_launch, dequantized),
+                 "latentspeed-sm90-ws-products": (ws_products, lambda: gated(products)),
+                 "latentspeed-sm90-ws-separate": (ws_separate, lambda: dequantized(separate["h"]))}
     deep = deep_gemm_grouped(a, a_scale, w13, s13, runs, pairs)
     if deep is not None:
         providers["DeepGEMM"] = (deep, lambda: gated(deep()))

@@ -227,6 +227,11 @@ def every_kernel_report() -> dict[str, HopperReport]:
         silu_mul_quant._silu_mul_group_quant_kernel, dict(x_ptr=bf16, q_ptr=fp8, scale_ptr=f32, stats_ptr=i32),
         dict(GROUP=128, POW2_SCALE=False, TRACK_STATS=True, BLOCK_ROWS=quant.GROUP_BLOCK_ROWS, **e4m3), 4, 3,
         floats=("quant_eps",), unaligned=("num_rows", "half", "stride_s"))
+    reports["silu-and-mul group quantizer, sorted MoE rows"] = compile_for_hopper(  # SEPARATE_ACT's activation
+        silu_mul_quant._silu_mul_group_quant_kernel,
+        dict(x_ptr=bf16, q_ptr=fp8, scale_ptr=f32, stats_ptr=i32, rows_limit_ptr=i32, pair_ids_ptr=i32),
+        dict(GROUP=128, POW2_SCALE=False, TRACK_STATS=True, BLOCK_ROWS=quant.GROUP_BLOCK_ROWS, **e4m3), 4, 3,
+        floats=("quant_eps",), unaligned=("num_rows", "half", "stride_s", "num_pairs"))
     reports["gemm 64x128"] = gemm_report(64, 128, 4, 4)
     for swap_ab in (False, True):  # decode's 16-row tiles: products as A B^T, or as B A^T (SWAP_AB)
         reports[f"gemm 16x128{', swapped' if swap_ab else ''}"] = gemm_report(16, 128, 4, 4, swap_ab=swap_ab)
@@ -256,6 +261,17 @@ def every_kernel_report() -> dict[str, HopperReport]:
         gemm_sm90_ws.block_scaled_gemm_kernel_sm90_ws,
         dict(c_ptr=bf16, a_scale_ptr=f32, b_scale_ptr=f32, rows_in_use_ptr=i32, block_expert_ptr=i32,
              sorted_ids_ptr=i32, weights_ptr=f32),
+        dict(BLOCK_N=128, GROUP_M=8, NUM_STAGES=6, C_TMA=True, GROUPED=True), gemm_sm90_ws.NUM_WARPS.value, 1,
+        unaligned=("M", "stride_asm", "stride_bsn", "num_pairs", "stride_bse"), maxnreg=gemm_sm90_ws.MAXNREG,
+        typed=dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc), c_desc=mangle_type(c_desc)))
+    # the same kernel as the gate/up GEMM of SEPARATE_ACT (no routing weight), bf16 [P, 2I] products
+    a, b = torch.empty(49152, 7168, dtype=fp8), torch.empty(256 * 4096, 7168, dtype=fp8)
+    a_desc, b_desc = gemm_sm90_ws.descriptors(a, b, 128)
+    c_desc = gemm_sm90_ws.out_descriptor(torch.empty(49152, 4096, dtype=bf16), 128)
+    reports["moe gate/up gemm, sm90 ws 128x128, products"] = compile_for_hopper(
+        gemm_sm90_ws.block_scaled_gemm_kernel_sm90_ws,
+        dict(c_ptr=bf16, a_scale_ptr=f32, b_scale_ptr=f32, rows_in_use_ptr=i32, block_expert_ptr=i32,
+             sorted_ids_ptr=i32),
         dict(BLOCK_N=128, GROUP_M=8, NUM_STAGES=6, C_TMA=True, GROUPED=True), gemm_sm90_ws.NUM_WARPS.value, 1,
         unaligned=("M", "stride_asm", "stride_bsn", "num_pairs", "stride_bse"), maxnreg=gemm_sm90_ws.MAXNREG,
         typed=dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc), c_desc=mangle_type(c_desc)))

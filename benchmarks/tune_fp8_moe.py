@@ -27,7 +27,7 @@ from benchmarks.timing import in_cuda_graph
 from benchmarks.tune_fp8_gemm import SWAP_BELOW_BLOCK_M
 from benchmarks.tuned_tables import starting_configs, write_tuned_table
 from common_kernels.fp8 import fused_moe_fp8
-from common_kernels.fp8.moe import DEFAULT_CONFIG
+from common_kernels.fp8.moe import DEFAULT_CONFIG, hopper_kernel
 
 GEMM_LAUNCHES = [{"BLOCK_N": n, "num_warps": w, "num_stages": s} for n, w, s in itertools.product((64, 128), (4, 8), (2, 3, 4))]
 # From this many tokens on (enough tiles to fill more programs), the 128-column launches of two or three
@@ -36,15 +36,18 @@ GEMM_LAUNCHES = [{"BLOCK_N": n, "num_warps": w, "num_stages": s} for n, w, s in 
 # 128 (8 warps) two, at 0-300 bytes of spills at the BLOCK_M they fit (benchmarks/hopper_compile.py's
 # "capped" moe reports).
 CAPPED_FROM_TOKENS = 1024
-# The warp-specialized Hopper kernels (sm_90 only), from this many tokens on: gate/up on moe_sm90_ws
-# (64-row tiles; up to 5 stages of 40 KiB fit), down on gemm_sm90_ws grouped by expert (128-row runs).
+# The warp-specialized Hopper kernels (sm_90 only), from this many tokens on, at the run lengths they take
+# (``moe.hopper_kernel(...).fits``): gate/up on moe_sm90_ws (64-row tiles; up to 5 stages of 40 KiB fit), or
+# with SEPARATE_ACT on gemm_sm90_ws (128-row runs; bf16 products, then silu_mul_group_quant), down on
+# gemm_sm90_ws grouped by expert (128-row runs).
 WS_FROM_TOKENS = 256
+_WS_GEMMS = [{"KERNEL": "sm90_ws", "BLOCK_N": n, "num_warps": 4, "num_stages": s}
+             for n, s in itertools.product((128, 64), (4, 6))]
 WS_LAUNCHES = {
-    "gate_up": [{"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": s} for s in (3, 4, 5)],
-    "down": [{"KERNEL": "sm90_ws", "BLOCK_N": n, "num_warps": 4, "num_stages": s}
-             for n, s in itertools.product((128, 64), (4, 6))],
+    "gate_up": [{"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": s} for s in (3, 4, 5)]
+    + [dict(launch, SEPARATE_ACT=True) for launch in _WS_GEMMS],
+    "down": _WS_GEMMS,
 }
-WS_BLOCK_M = {"gate_up": (64, 128), "down": (128,)}
 
 
 def gemm_launches(tokens: int, stage: str, block_m: int):
@@ -56,9 +59,10 @@ def gemm_launches(tokens: int, stage: str, block_m: int):
         for launch in GEMM_LAUNCHES:
             if launch["BLOCK_N"] == 128 and launch["num_stages"] <= 3:
                 yield dict(launch, maxnreg=168 if launch["num_warps"] == 4 else 128)
-    if (block_m in WS_BLOCK_M[stage] and tokens >= WS_FROM_TOKENS and torch.cuda.is_available()
-            and torch.cuda.get_device_capability() == (9, 0)):
-        yield from WS_LAUNCHES[stage]
+    if tokens >= WS_FROM_TOKENS and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        for launch in WS_LAUNCHES[stage]:
+            if hopper_kernel(stage, launch).fits(dict(launch, BLOCK_M=block_m)):
+                yield launch
 
 
 def time_config(run, config, reference):

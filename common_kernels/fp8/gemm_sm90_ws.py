@@ -232,7 +232,7 @@ def _tile(a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, s
         even_done = warpgroup_mma_wait(num_outstanding=0, deps=[even])
         _hand_back(empty, it + k_blocks - 1, NUM_STAGES)
         acc = _fold(acc, even_done, scale)
-    if GROUPED:  # each row's routing weight, by its pair (0 for padding rows)
+    if GROUPED and experts[2] is not None:  # each row's routing weight, by its pair (0 for padding rows)
         pair = gl.load(experts[1] + rows, mask=mask_rows, other=experts[3])
         acc = acc * gl.load(experts[2] + pair, mask=pair < experts[3], other=0.0)[:, None]
     if C_TMA:  # through this warpgroup's shared buffer, once the bulk store of its last tile has read it
@@ -283,8 +283,9 @@ def block_scaled_gemm_kernel_sm90_ws(
     ``GROUPED`` (the fused MoE's second GEMM, ``moe.ExpertRuns`` with 128-row runs): A's rows are
     sorted by expert, and B ``[E * N, K]`` stacks the experts' weights; row block ``m`` takes
     expert ``block_expert[m]``'s rows of B and of ``b_scale`` (``stride_bse`` apart), only the
-    ``rows_in_use[0]`` rows of runs are computed (``M`` bounds the descriptors), and each row of C
-    is multiplied by ``weights[sorted_ids[row]]`` (0 where that is ``num_pairs``, a padding row)."""
+    ``rows_in_use[0]`` rows of runs are computed (``M`` bounds the descriptors), and, given
+    ``weights_ptr``, each row of C is multiplied by ``weights[sorted_ids[row]]`` (0 where that is
+    ``num_pairs``, a padding row); without it C's padding rows hold whatever A's padding rows give."""
     gl.static_assert(gl.num_warps() == NUM_WARPS and BLOCK_N <= BLOCK_K and NUM_STAGES >= 2)
     k_blocks = gl.cdiv(K, BLOCK_K)
     if GROUPED:

@@ -15,7 +15,10 @@ weights, block scales applied per 128-wide K block as in ``block_scaled_gemm``. 
 computes the gate and up slices together and stores ``silu(gate) * up`` only: where its tiles hold
 whole 128-column groups (``BLOCK_N`` a multiple of 128) already quantized for the second GEMM, in
 its epilogue (the values x's dtype would hold, then ``quantize_per_token_group``'s arithmetic, bit
-for bit), else in x's dtype for ``quantize_per_token_group``; the second
+for bit), else in x's dtype for ``quantize_per_token_group``. Or (``SEPARATE_ACT``) it is a plain
+grouped GEMM over ``W13`` whose ``[P, 2I]`` gate and up products, in x's dtype, go through
+``silu_mul_group_quant`` (vLLM's roundings: gate and up rounded to x's dtype before the activation);
+this lets the wide tiles of the second GEMM's kernels compute the first. The second
 multiplies by the routing weight before storing each slot's output in x's dtype, and the ``k``
 slots of a token are then gathered and summed with fp32 accumulation (``sum_slots``; x's dtype
 stored, half the bytes of fp32 slot outputs: at DeepSeek-V3 sizes and 4096 tokens an fp32 version's
@@ -35,6 +38,7 @@ from ..fp8_format import FP8_DTYPES, fp8_grid
 from . import gemm_sm90_ws, moe_sm90_ws
 from .gemm import SCALE_BLOCK, aligned_rows, e4m3_operands, nearest_tuned, require_sm90, tuned_table
 from .moe_sm90_ws import silu_gate
+from .silu_mul_quant import silu_mul_group_quant
 from .quant import (
     GROUP_BLOCK_ROWS,
     QUANT_EPS,
@@ -50,7 +54,9 @@ BLOCK_M = 16 if _INTERPRET else 64
 # (``gate_up``, ``down``), ``BLOCK_N``, ``num_warps`` and ``num_stages``; either may also name
 # ``"KERNEL": "sm90_ws"``, a warp-specialized Hopper kernel: ``moe_sm90_ws`` for gate/up (64-row tiles,
 # ``BLOCK_N`` 128), ``gemm_sm90_ws`` grouped by expert for down (128-row runs); a Triton launch may set
-# ``"SWAP_AB": True``, products as B A^T (runs under 64 rows then reach Hopper's wgmma).
+# ``"SWAP_AB": True``, products as B A^T (runs under 64 rows then reach Hopper's wgmma). A gate/up launch
+# with ``"SEPARATE_ACT": True`` runs the down GEMM's kernel (Triton, or ``gemm_sm90_ws`` with 128-row runs)
+# over W13 and activates and quantizes its bf16/fp16 products separately (module docstring).
 DEFAULT_CONFIG = {
     "BLOCK_M": BLOCK_M,
     "gate_up": {"BLOCK_N": 32 if _INTERPRET else 128, "num_warps": 4, "num_stages": 1 if _INTERPRET else 3},
@@ -89,6 +95,14 @@ def untuned_config(rows_per_expert: float, hopper: bool = False) -> dict:
         return {"BLOCK_M": 64, "gate_up": gate_up, "down": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4}}
     return {"BLOCK_M": 64, "gate_up": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
             "down": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}}
+
+
+def hopper_kernel(stage: str, launch: dict):
+    """The module of the warp-specialized Hopper kernel that a launch of ``stage`` (``gate_up`` or ``down``)
+    runs, whose ``fits`` says which launches it takes; None for a Triton launch."""
+    if launch.get("KERNEL") != "sm90_ws":
+        return None
+    return moe_sm90_ws if stage == "gate_up" and not launch.get("SEPARATE_ACT") else gemm_sm90_ws
 
 
 ALIGN_MAX_PROGRAMS = 32  # the count and scatter launches' programs; each takes a chunk of >= 1024 pairs
@@ -316,9 +330,11 @@ def _moe_gemm(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pairs, weights,
               launch: dict, out_scale=None, mid_dtype=None, stats=None):
     """``out [P, n]`` at the sorted rows of ``runs``. A's rows: tokens (``top_k`` pairs a token), or
     with ``top_k=None`` sorted rows. ``out_scale`` given: ``out`` (fp8) and ``out_scale`` take the
-    output quantized per 128 columns, rounded to ``mid_dtype`` first."""
+    output quantized per 128 columns, rounded to ``mid_dtype`` first. ``"KERNEL": "sm90_ws"``: sorted
+    A rows, neither ``gated`` nor ``out_scale``."""
     if launch.get("KERNEL") == "sm90_ws":
-        _moe_down_sm90_ws(a, a_scale, b, b_scale, out, runs, num_pairs, weights, launch)
+        _grouped_gemm_sm90_ws(a, a_scale, b, b_scale, out, runs, num_pairs, weights if apply_weight else None,
+                              launch)
         return
     n, k = out.shape[1], b.shape[2]
     quant_out = out_scale is not None
@@ -342,9 +358,11 @@ def _moe_gemm(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pairs, weights,
     )
 
 
-def _moe_down_sm90_ws(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pairs, weights, launch) -> None:
-    """The second GEMM on ``gemm_sm90_ws``'s warp-specialized Hopper kernel, grouped by expert: A's
-    sorted rows by bulk tensor copies, each 128-row run's expert's weights, C by bulk stores."""
+def _grouped_gemm_sm90_ws(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pairs, weights, launch) -> None:
+    """A GEMM over the sorted rows on ``gemm_sm90_ws``'s warp-specialized Hopper kernel, grouped by
+    expert: A's sorted rows by bulk tensor copies, each 128-row run's expert's weights, C by bulk
+    stores, each row times its pair's routing weight unless ``weights`` is None (the second GEMM, and
+    the first with ``SEPARATE_ACT``)."""
     block_m = runs.sorted_ids.shape[0] // runs.block_expert.shape[0]
     if block_m != gemm_sm90_ws.BLOCK_M.value:
         raise ValueError(f"the sm90_ws MoE kernel takes runs of {gemm_sm90_ws.BLOCK_M.value} rows: the config's "
@@ -461,14 +479,24 @@ def sum_slots(rows: torch.Tensor, position: torch.Tensor, tokens: int, top_k: in
 
 def _gated_intermediate(x, w13, w13_scale, runs: ExpertRuns, top_k, weights, launch: dict, stats):
     """``silu(gate) * up`` at the sorted rows, quantized per row and 128 columns: ``(h [P, I] E4M3,
-    h_scale)``; the quantization is fused into the first GEMM where its tiles hold whole groups."""
+    h_scale)``; the quantization is fused into the first GEMM where its tiles hold whole groups
+    (and ``SEPARATE_ACT`` is not set)."""
     (pairs, inter), rows = (runs.position.shape[0], w13.shape[1] // 2), runs.sorted_ids.shape[0]
-    if launch.get("KERNEL") == "sm90_ws":  # A by bulk copies: x quantized into the sorted rows
+    sorted_a = launch.get("KERNEL") == "sm90_ws"  # A by bulk copies: x quantized into the sorted rows
+    if sorted_a:
         a, a_scale = quantize_to_sorted_rows(x, runs, top_k, stats)
+    else:
+        a, a_scale = quantize_per_token_group(x, SCALE_BLOCK, stats=stats)
+    if launch.get("SEPARATE_ACT"):
+        gate_up = x.new_empty(rows, 2 * inter)
+        _moe_gemm(a, a_scale, w13, w13_scale, gate_up, runs, pairs, weights, None if sorted_a else top_k, False, False,
+                  launch)
+        return silu_mul_group_quant(gate_up, SCALE_BLOCK, stats=stats, rows_limit=runs.used_rows,
+                                    pair_ids=(runs.sorted_ids, pairs))
+    if sorted_a:
         h, h_scale = _empty_intermediate(rows, inter, x.device)
         _moe_gate_up_sm90_ws(a, a_scale, w13, w13_scale, h, h_scale, runs, pairs, launch, x.dtype, stats)
         return h, h_scale
-    a, a_scale = quantize_per_token_group(x, SCALE_BLOCK, stats=stats)
     if launch["BLOCK_N"] % SCALE_BLOCK == 0:
         h, h_scale = _empty_intermediate(rows, inter, x.device)
         _moe_gemm(a, a_scale, w13, w13_scale, h, runs, pairs, weights, top_k, True, False, launch, out_scale=h_scale,

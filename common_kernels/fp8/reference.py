@@ -95,8 +95,10 @@ def sum_slots_ref(rows: torch.Tensor, position: torch.Tensor, tokens: int, top_k
     return slots.sum(1).to(rows.dtype)
 
 
-def fused_moe_fp8_ref(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_map=None) -> torch.Tensor:
-    """Same contract as ``fused_moe_fp8``, one (token, slot) pair at a time."""
+def fused_moe_fp8_ref(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_map=None,
+                      separate_act=False) -> torch.Tensor:
+    """Same contract as ``fused_moe_fp8``, one (token, slot) pair at a time; ``separate_act``: as a gate/up
+    launch with ``SEPARATE_ACT`` rounds, gate and up in x's dtype, then vLLM's SiluAndMul."""
     tokens, top_k = topk_ids.shape
     out = torch.zeros(tokens, w13.shape[2], dtype=torch.float32, device=x.device)
     a, a_scale = quantize_per_token_group_ref(x)
@@ -106,8 +108,12 @@ def fused_moe_fp8_ref(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, e
             if e < 0:
                 continue
             gate_up = block_scaled_gemm_ref(a[t : t + 1], a_scale[t : t + 1], w13[e], w13_scale[e], torch.float32)
-            gate, up = gate_up.chunk(2, dim=-1)
-            h, h_scale = quantize_per_token_group_ref((torch.nn.functional.silu(gate) * up).to(x.dtype))
+            if separate_act:
+                activated = silu_mul_ref(gate_up.to(x.dtype))
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                activated = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+            h, h_scale = quantize_per_token_group_ref(activated)
             down = block_scaled_gemm_ref(h, h_scale, w2[e], w2_scale[e], torch.float32)
             out[t] += topk_weights[t, j].float() * down[0]
     return out.to(x.dtype)

@@ -27,7 +27,7 @@ def hopper_compile(*args: str, **environ: str) -> dict:
 
 def test_every_kernel_compiles_for_hopper():
     reports = hopper_compile("all")
-    assert len(reports) == 42
+    assert len(reports) == 44
     for label, report in reports.items():
         if label.startswith("decode, "):
             assert report["async_copies"] + report["tma_copies"] > 0, f"{label}: the tile loads are not asynchronous"
@@ -43,9 +43,10 @@ def test_every_kernel_compiles_for_hopper():
     # in the loop, the one left after it); nothing copied by threads, no spills under the launch's
     # 168 registers a thread (the consumers get 232 each by setmaxnreg); C by bulk stores (224 KiB of
     # shared memory at 128 x 128 with six stages, under the 227 KiB checked below) or from registers
-    # The fused MoE's down GEMM (grouped: B rows and scales by each row block's expert, C rows weighted) alike.
+    # The fused MoE's down GEMM (grouped: B rows and scales by each row block's expert, C rows weighted) alike,
+    # and its gate/up GEMM of SEPARATE_ACT (grouped, C rows not weighted).
     for label in ("gemm sm90 ws 128x128", "gemm sm90 ws 128x64", "gemm sm90 ws 128x128, C from registers",
-                  "moe down gemm, sm90 ws 128x128"):
+                  "moe down gemm, sm90 ws 128x128", "moe gate/up gemm, sm90 ws 128x128, products"):
         report = reports[label]
         assert (report["tma_copies"], report["wgmma"], report["async_copies"]) == (2, 32, 0), label
         assert report["spill_bytes"] == 0 and report["registers"] <= 168, label

@@ -43,12 +43,15 @@ def test_ws_launches_are_tried_on_hopper_at_the_runs_they_take(monkeypatch, capa
     plain = list(gemm_launches(tokens, "down", 64))  # no warp-specialized kernel takes 64-row runs for down
     assert all("KERNEL" not in launch for launch in plain)
     hopper = capability == (9, 0)
+    fused = [launch for launch in WS_LAUNCHES["gate_up"] if not launch.get("SEPARATE_ACT")]
+    separate = [launch for launch in WS_LAUNCHES["gate_up"] if launch.get("SEPARATE_ACT")]
+    assert len(fused) == 3 and len(separate) == 4
     for stage, block_m, expected in (("down", 128, WS_LAUNCHES["down"]), ("down", 64, []),
-                                     ("gate_up", 64, WS_LAUNCHES["gate_up"]),
-                                     ("gate_up", 128, WS_LAUNCHES["gate_up"]), ("gate_up", 32, [])):
+                                     ("gate_up", 64, fused), ("gate_up", 128, fused + separate),
+                                     ("gate_up", 32, [])):
         assert unswapped(gemm_launches(tokens, stage, block_m)) == plain + (expected if hopper else [])
         assert unswapped(gemm_launches(WS_FROM_TOKENS - 1, stage, block_m)) == GEMM_LAUNCHES
-    for launch in WS_LAUNCHES["down"]:
+    for launch in WS_LAUNCHES["down"] + separate:  # the grouped GEMM over 128-row runs
         assert gemm_sm90_ws.fits(dict(launch, BLOCK_M=128))
-    for launch in WS_LAUNCHES["gate_up"]:
+    for launch in fused:
         assert moe_sm90_ws.fits(dict(launch, BLOCK_M=64))

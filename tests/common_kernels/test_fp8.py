@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common_kernels.fp8 import block_scaled_gemm, quantize_per_token, quantize_per_token_group, quantize_weight_blocks
-from common_kernels.fp8 import gemm_sm90, gemm_sm90_ws, moe_sm90_ws
+from common_kernels.fp8 import gemm_sm90, gemm_sm90_ws, moe
 from common_kernels.fp8.gemm import tuned_table
 from common_kernels.fp8.reference import (
     block_scaled_gemm_ref,
@@ -287,8 +287,7 @@ def test_shipped_tables_name_launches_their_kernels_take():
                 if path.name.startswith("gemm_"):
                     launches = [(kernels.get(entry.get("KERNEL")), entry)]
                 else:  # the MoE's gate/up and down GEMMs over runs of BLOCK_M rows
-                    launches = [({"sm90_ws": moe_sm90_ws}.get(entry["gate_up"].get("KERNEL")), entry["gate_up"]),
-                                (kernels.get(entry["down"].get("KERNEL")), entry["down"])]
+                    launches = [(moe.hopper_kernel(stage, entry[stage]), entry[stage]) for stage in ("gate_up", "down")]
                     launches = [(module, dict(launch, BLOCK_M=entry["BLOCK_M"])) for module, launch in launches]
                 for module, launch in launches:
                     assert module is not None or "KERNEL" not in launch, f"{path.name}: unknown kernel in {launch}"

@@ -1,7 +1,9 @@
 """The fused MoE's warp-specialized Hopper GEMMs on an sm_90 GPU: gate/up on ``moe_sm90_ws`` (x quantized
 into the sorted rows, the intermediate quantized in the epilogue) and down on ``gemm_sm90_ws`` grouped by
-expert, each selected by ``"KERNEL": "sm90_ws"``: against the reference, and against the same runs with
-the Triton kernels (gate/up with its quantizing epilogue).
+expert, each selected by ``"KERNEL": "sm90_ws"``; and gate/up with ``SEPARATE_ACT`` on ``gemm_sm90_ws``
+grouped by expert without routing weights (bf16 products, then ``silu_mul_group_quant``): against the
+reference (rounding as the launch does), and against the same runs with the Triton kernels (gate/up with
+its quantizing epilogue, or its bf16 products under ``SEPARATE_ACT``).
 
     pytest tests/gpu/test_moe_sm90_ws.py -q          (skipped without an sm_90 GPU)
 
@@ -29,7 +31,7 @@ a token by far more.
 import pytest
 import torch
 
-from common_kernels.fp8 import moe
+from common_kernels.fp8 import moe, silu_mul_group_quant
 from common_kernels.fp8.moe import append_shared_experts, fused_moe_fp8
 from common_kernels.fp8.reference import fused_moe_fp8_ref, quantize_weight_blocks_ref
 from tests.helpers import assert_close
@@ -40,10 +42,13 @@ WS = {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": 4}
 WS_DOWNS = [{"KERNEL": "sm90_ws", "BLOCK_N": bn, "num_warps": 4, "num_stages": stages}
             for bn in (128, 64) for stages in (2, 6)]
 TRITON = {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+WS_SEPARATE = dict(WS_DOWNS[1], SEPARATE_ACT=True)  # gate/up products on the down GEMM's kernel
 # (BLOCK_M, gate/up, down) with at least one warp-specialized GEMM; the first is DeepSeek-V3's candidate
 PAIRS = {"both": (128, WS, WS_DOWNS[1]), "gate_up_64_rows": (64, WS, TRITON),
          "gate_up_2_stages": (128, dict(WS, num_stages=2), TRITON),
-         "gate_up_5_stages": (128, dict(WS, num_stages=5), WS_DOWNS[0])}
+         "gate_up_5_stages": (128, dict(WS, num_stages=5), WS_DOWNS[0]),
+         "separate_act": (128, WS_SEPARATE, WS_DOWNS[1]),
+         "separate_act_64_wide_2_stages": (128, dict(WS_DOWNS[2], SEPARATE_ACT=True), TRITON)}
 PAIRS |= {f"down_{d['BLOCK_N']}_s{d['num_stages']}": (128, TRITON, d) for d in WS_DOWNS}
 
 
@@ -61,11 +66,15 @@ def moe_inputs(tokens, experts, hidden, inter, top_k, std=0.05):
     return torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16), w13, s13, w2, s2, weights, ids
 
 
+def separate(pair) -> bool:
+    return bool(PAIRS[pair][1].get("SEPARATE_ACT"))
+
+
 def against_triton(pair, *inputs, **kwargs):
-    """The MoE with ``PAIRS[pair]`` and with the Triton kernels at the same runs."""
+    """The MoE with ``PAIRS[pair]`` and with the Triton kernels at the same runs (rounding alike)."""
     block_m, gate_up, down = PAIRS[pair]
     configs = ({"BLOCK_M": block_m, "gate_up": gate_up, "down": down},
-               {"BLOCK_M": block_m, "gate_up": TRITON, "down": TRITON})
+               {"BLOCK_M": block_m, "gate_up": dict(TRITON, SEPARATE_ACT=separate(pair)), "down": TRITON})
     return [fused_moe_fp8(*inputs, config=config, **kwargs) for config in configs]
 
 
@@ -88,7 +97,7 @@ def test_matches_reference_and_triton(pair, tokens, experts, hidden, inter, top_
     ids, weights = append_shared_experts(ids, weights, first_shared=experts - 1, num_shared=1)
     ours, triton_out = against_triton(pair, x, w13, s13, w2, s2, weights, ids)
     rows = min(tokens, 40)  # the reference loops in Python
-    expected = fused_moe_fp8_ref(x[:rows], w13, s13, w2, s2, weights[:rows], ids[:rows])
+    expected = fused_moe_fp8_ref(x[:rows], w13, s13, w2, s2, weights[:rows], ids[:rows], separate_act=separate(pair))
     assert_matches(ours, triton_out, expected, pair)
 
 
@@ -99,7 +108,7 @@ def test_ws_down_partial_blocks_and_unaligned_rows(hidden, inter):
     assert_matches(ours, triton_out, fused_moe_fp8_ref(x[:30], w13, s13, w2, s2, weights[:30], ids[:30]), "down")
 
 
-@pytest.mark.parametrize("pair", ["both", "gate_up_64_rows"])
+@pytest.mark.parametrize("pair", ["both", "gate_up_64_rows", "separate_act"])
 def test_on_an_expert_parallel_rank(pair):
     """Pairs routed to other ranks leave their rows out; the rows of runs are the device's count only."""
     hidden, inter, top_k, tokens = 256, 256, 3, 90
@@ -109,7 +118,8 @@ def test_on_an_expert_parallel_rank(pair):
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     weights, ids = torch.softmax(torch.randn(tokens, 6, device="cuda"), -1).topk(top_k, dim=-1)
     ours, triton_out = against_triton(pair, x, w13, s13, w2, s2, weights, ids, expert_map=expert_map)
-    expected = fused_moe_fp8_ref(x[:30], w13, s13, w2, s2, weights[:30], ids[:30], expert_map=expert_map)
+    expected = fused_moe_fp8_ref(x[:30], w13, s13, w2, s2, weights[:30], ids[:30], expert_map=expert_map,
+                                 separate_act=separate(pair))
     assert_matches(ours, triton_out, expected, f"ep, {pair}")
 
 
@@ -132,11 +142,12 @@ def test_padding_rows_holding_nan_stay_out():
     assert stats[1] > 0
 
 
-@pytest.mark.parametrize("block_m", [64, 128])
-def test_gate_up_ignores_what_the_padding_rows_hold(block_m):
+@pytest.mark.parametrize("block_m, gate_up", [(64, WS), (128, WS), (128, WS_SEPARATE)])
+def test_gate_up_ignores_what_the_padding_rows_hold(block_m, gate_up):
     """Deterministic (the test above relies on the caching allocator): the sorted A's padding rows
     (values and scales) set to NaN bytes give the same intermediate, byte for byte, as set to zeros,
-    with its padding rows zero and the guard silent."""
+    with its padding rows zero and the guard silent. ``SEPARATE_ACT``: the products' padding rows then
+    hold NaN, which the activation's quantizer must not read as values."""
     x, w13, s13, w2, s2, weights, ids = moe_inputs(50, 8, 256, 256, 2)
     runs = moe.align_by_expert(ids.to(torch.int32), 8, block_m)
     a, a_scale = moe.quantize_to_sorted_rows(x, runs, 2)
@@ -145,20 +156,28 @@ def test_gate_up_ignores_what_the_padding_rows_hold(block_m):
     results = []
     for fill in (0x00, 0xFF):  # 0xFF: NaN in E4M3 and in fp32
         a.view(torch.uint8)[padding], a_scale.view(torch.uint8).view(-1, 4 * a_scale.shape[1])[padding] = fill, fill
-        h, h_scale = moe._empty_intermediate(a.shape[0], 256, x.device)
         stats = torch.zeros(2, dtype=torch.int32, device="cuda")
-        moe._moe_gate_up_sm90_ws(a, a_scale, w13, s13, h, h_scale, runs, ids.numel(), WS, x.dtype, stats)
+        if gate_up.get("SEPARATE_ACT"):
+            products = x.new_empty(a.shape[0], 512)
+            moe._moe_gemm(a, a_scale, w13, s13, products, runs, ids.numel(), None, None, False, False, gate_up)
+            h, h_scale = silu_mul_group_quant(products, stats=stats, rows_limit=runs.used_rows,
+                                              pair_ids=(runs.sorted_ids, ids.numel()))
+        else:
+            h, h_scale = moe._empty_intermediate(a.shape[0], 256, x.device)
+            moe._moe_gate_up_sm90_ws(a, a_scale, w13, s13, h, h_scale, runs, ids.numel(), gate_up, x.dtype, stats)
         results.append((h[:used].view(torch.uint8).clone(), h_scale[:used].clone(), stats.tolist()))
     (h0, s0, stats0), (h1, s1, stats1) = results
     assert torch.equal(h0, h1) and torch.equal(s0, s1) and stats0 == stats1 == [0, 0]
     assert (h1[padding[:used]] == 0).all()
 
 
+@pytest.mark.parametrize("pair", ["both", "separate_act"])
 @pytest.mark.parametrize("tokens", [64, 4096])
-def test_deepseek_experts(tokens):
+def test_deepseek_experts(tokens, pair):
     """32 of DeepSeek-V3's experts (hidden 7168, intermediate 2048), top 8: at 4096 tokens hundreds of
-    row blocks times 16 (gate/up) and 56 (down) column tiles, several tiles a persistent program."""
+    row blocks times 16 (gate/up; 32 under SEPARATE_ACT) and 56 (down) column tiles, several tiles a
+    persistent program."""
     x, w13, s13, w2, s2, weights, ids = moe_inputs(tokens, 32, 7168, 2048, 8, std=0.02)
-    ours, triton_out = against_triton("both", x, w13, s13, w2, s2, weights, ids)
-    expected = fused_moe_fp8_ref(x[:8], w13, s13, w2, s2, weights[:8], ids[:8])
-    assert_matches(ours, triton_out, expected, "deepseek moe")
+    ours, triton_out = against_triton(pair, x, w13, s13, w2, s2, weights, ids)
+    expected = fused_moe_fp8_ref(x[:8], w13, s13, w2, s2, weights[:8], ids[:8], separate_act=separate(pair))
+    assert_matches(ours, triton_out, expected, f"deepseek moe, {pair}")
