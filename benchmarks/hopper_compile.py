@@ -253,6 +253,15 @@ def every_kernel_report() -> dict[str, HopperReport]:
             unaligned=("M", "stride_asm", "stride_bsn"), maxnreg=gemm_sm90_ws.MAXNREG,
             typed=dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc))
             | (dict(c_desc=mangle_type(c_desc)) if c_tma else {}))
+    # K split (few tiles at small M: 2112 x 7168 at M = 128): fp32 partials from registers
+    for bn, split in ((64, 4), (128, 2)):
+        a, b = torch.empty(128, 7168, dtype=fp8), torch.empty(2112, 7168, dtype=fp8)
+        a_desc, b_desc = gemm_sm90_ws.descriptors(a, b, bn)
+        reports[f"gemm sm90 ws 128x{bn}, split {split}"] = compile_for_hopper(
+            gemm_sm90_ws.block_scaled_gemm_kernel_sm90_ws, dict(c_ptr=f32, a_scale_ptr=f32, b_scale_ptr=f32),
+            dict(BLOCK_N=bn, GROUP_M=8, NUM_STAGES=6, SPLIT_K=split), gemm_sm90_ws.NUM_WARPS.value, 1,
+            unaligned=("M", "stride_asm", "stride_bsn"), maxnreg=gemm_sm90_ws.MAXNREG,
+            typed=dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc)))
     # grouped: the fused MoE's down GEMM at DeepSeek-V3 (256 experts of 7168 x 2048), 128-row runs
     a, b = torch.empty(49152, 2048, dtype=fp8), torch.empty(256 * 7168, 2048, dtype=fp8)
     a_desc, b_desc = gemm_sm90_ws.descriptors(a, b, 128)

@@ -4,7 +4,7 @@ For each DeepSeek-V3 linear shape (``fp8_gemm.SHAPES``, or ``--shapes N,K ...``)
 candidate (tile sizes, pipeline stages, warps, K splits; the space depends on M: split K and
 narrow tiles for small M, those of fewer than 64 rows also as ``B A^T`` products (``SWAP_AB``), large
 tiles for large M; on Hopper from M = 128 also the Gluon kernels of ``gemm_sm90``, ``"KERNEL":
-"sm90"``, and ``gemm_sm90_ws``, ``"KERNEL": "sm90_ws"``) is
+"sm90"``, and ``gemm_sm90_ws``, ``"KERNEL": "sm90_ws"``, the latter with K splits at M = 64-512) is
 compiled, checked against the reference on the same operands, and timed as CUDA-graph replays
 (CUDA-event median, L2 flushed before each): the kernel's GPU time, as engines run decode, without
 the host's launch time, which swamped the small-M rows when timed eagerly. The winners are written
@@ -36,6 +36,10 @@ M_VALUES = [1, 16, 64, 128, 256, 512, 4096]
 # Tiles of fewer rows are also tried with their products as B A^T (SWAP_AB): Hopper's wgmma takes at least 64
 # rows as its M, which the weight's rows then fill, and as few as 8 columns as its N (the activation's rows).
 SWAP_BELOW_BLOCK_M = 64
+# The warp-specialized kernel's K splits are tried at these M (128-row tiles: from M = 64, half of each
+# tile's rows past M, zero-filled by the copies): its 128 x 128 tiles number under the 132 SMs at M = 128
+# for N <= 16384 (under 264 with 128 x 64 ones), so a single wave leaves most SMs idle.
+WS_SPLIT_M = (64, 512)
 
 
 def candidates(m: int, k: int):
@@ -56,12 +60,25 @@ def candidates(m: int, k: int):
                 yield dict(config, SWAP_AB=True)
             if m > 256 and (bm, bn, warps, stages) == (64, 128, 4, 3):  # 177 registers: two programs an SM;
                 yield dict(config, maxnreg=168)  # capped, three (8 bytes of spills; 72 KiB of shared memory each)
-    if m >= 128 and k % 16 == 0 and torch.cuda.get_device_capability()[0] == 9:  # the Gluon kernel (gemm_sm90)
+    if m >= 128 and k % 16 == 0 and _on_hopper():  # the Gluon kernel (gemm_sm90)
         for (bm, bn, warps), stages in itertools.product(gemm_sm90.TILES, (4, 5, 6)):
             yield dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, GROUP_M=8, num_warps=warps, num_stages=stages, KERNEL="sm90")
         for bn, stages in itertools.product(gemm_sm90_ws.BLOCK_NS, (4, 5, 6)):
-            yield dict(BLOCK_M=gemm_sm90_ws.BLOCK_M.value, BLOCK_N=bn, SPLIT_K=1, GROUP_M=8,
-                       num_warps=gemm_sm90_ws.NUM_WARPS.value, num_stages=stages, KERNEL="sm90_ws")
+            yield ws_config(bn, stages)
+    if WS_SPLIT_M[0] <= m <= WS_SPLIT_M[1] and k % 16 == 0 and _on_hopper():
+        for split, bn, stages in itertools.product(gemm_sm90_ws.SPLITS[1:], gemm_sm90_ws.BLOCK_NS, (4, 6)):
+            if gemm_sm90_ws.splits_fit(k, split) and k_blocks // split >= 2:
+                yield ws_config(bn, stages, split)
+
+
+def _on_hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def ws_config(block_n: int, stages: int, split: int = 1) -> dict:
+    """A launch of the warp-specialized Gluon kernel (``gemm_sm90_ws``)."""
+    return dict(BLOCK_M=gemm_sm90_ws.BLOCK_M.value, BLOCK_N=block_n, SPLIT_K=split, GROUP_M=8,
+                num_warps=gemm_sm90_ws.NUM_WARPS.value, num_stages=stages, KERNEL="sm90_ws")
 
 
 def tune_one(m: int, n: int, k: int, w, ws, sms: int) -> dict:

@@ -176,7 +176,8 @@ def block_scaled_gemm(
             table tuned per GPU and (N, K), then a heuristic (the heuristic's where the table names a Hopper kernel and an operand is not
             E4M3 or its rows are not 16-byte aligned). ``SPLIT_K > 1`` sums fp32 partials in a second
             kernel. ``"KERNEL": "sm90"`` runs ``gemm_sm90``'s Gluon kernel, ``"sm90_ws"`` the warp-specialized one of
-            ``gemm_sm90_ws`` (Hopper; their ``fits`` say which configs).
+            ``gemm_sm90_ws`` (Hopper; their ``fits`` say which configs; the latter splits K too, each
+            split at least one K block: ``gemm_sm90_ws.splits_fit``).
 
     Returns ``C [M, N]``. Raises ``ValueError`` naming any shape, dtype or layout mismatch.
     """
@@ -232,8 +233,13 @@ def _launch(a, a_scale, b, b_scale, out, config: dict) -> None:
         **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}),  # a register cap: more programs an SM
     )
     if split > 1:
-        block = 1024
-        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](partial, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block)
+        _sum_splits(partial, out)
+
+
+def _sum_splits(partial: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = partial.sum(0)`` in out's dtype, for fp32 K-split partials ``[SPLIT_K, M, N]``."""
+    (split, m, n), block = partial.shape, 1024
+    _split_k_sum_kernel[(triton.cdiv(m * n, block),)](partial, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block)
 
 
 @functools.cache
@@ -260,15 +266,24 @@ def require_sm90(module, config: dict, a: torch.Tensor, b: torch.Tensor) -> None
 def _launch_sm90(a, a_scale, b, b_scale, out, config: dict) -> None:
     (m, k), n = a.shape, b.shape[0]
     module = gemm_sm90_ws if config["KERNEL"] == "sm90_ws" else gemm_sm90
+    split = config.get("SPLIT_K", 1)
+    if module is gemm_sm90_ws and module.fits(config) and not module.splits_fit(k, split):
+        raise ValueError(f"SPLIT_K={split} leaves a split of K = {k} without a 128-wide block "
+                         "(gemm_sm90_ws.splits_fit): use fewer splits")
     require_sm90(module, config, a, b)
     if module is gemm_sm90_ws:
-        c_desc = gemm_sm90_ws.out_descriptor(out, config["BLOCK_N"])
-        gemm_sm90_ws.block_scaled_gemm_kernel_sm90_ws[gemm_sm90_ws.grid(m, n, config["BLOCK_N"], a.device)](
-            *gemm_sm90_ws.descriptors(a, b, config["BLOCK_N"]), out, a_scale, b_scale, m, n, k, out.stride(0),
+        # with K splits, fp32 partials from registers, summed after
+        partial = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=a.device)
+        c_desc = gemm_sm90_ws.out_descriptor(out, config["BLOCK_N"]) if split == 1 else None
+        gemm_sm90_ws.block_scaled_gemm_kernel_sm90_ws[gemm_sm90_ws.grid(m, n, config["BLOCK_N"], a.device,
+                                                                        split_k=split)](
+            *gemm_sm90_ws.descriptors(a, b, config["BLOCK_N"]), partial, a_scale, b_scale, m, n, k, partial.stride(-2),
             a_scale.stride(0), b_scale.stride(0), BLOCK_N=config["BLOCK_N"], GROUP_M=config["GROUP_M"],
-            NUM_STAGES=config["num_stages"], c_desc=c_desc, C_TMA=c_desc is not None, num_warps=config["num_warps"],
-            maxnreg=gemm_sm90_ws.MAXNREG,
+            NUM_STAGES=config["num_stages"], c_desc=c_desc, C_TMA=c_desc is not None, SPLIT_K=split,
+            num_warps=config["num_warps"], maxnreg=gemm_sm90_ws.MAXNREG,
         )
+        if split > 1:
+            _sum_splits(partial, out)
         return
     grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
     gemm_sm90.block_scaled_gemm_kernel_sm90[grid](

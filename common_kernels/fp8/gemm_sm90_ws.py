@@ -68,20 +68,29 @@ PRODUCER_REGS = gl.constexpr(40)
 # registers left by the workers' requests go to the default partition
 MAXNREG = 168
 BLOCK_NS = (128, 64)  # a tile's columns lie in one 128-wide weight block
+SPLITS = (1, 2, 3, 4, 8, 16)  # K splits (fp32 partials summed by gemm._split_k_sum_kernel): few tiles at small M
 SHARED_BYTES = 232448  # a block's shared memory on Hopper (227 KiB)
 BARRIER_BYTES = 1024  # room for the mbarriers and alignment
 
 
 def fits(config: dict) -> bool:
     """Whether this kernel takes a launch config (its ring and C buffers within ``SHARED_BYTES``)."""
-    return (config.get("SPLIT_K", 1) == 1 and config["BLOCK_M"] == BLOCK_M.value and config["BLOCK_N"] in BLOCK_NS
+    split = config.get("SPLIT_K", 1)
+    return (split in SPLITS and config["BLOCK_M"] == BLOCK_M.value and config["BLOCK_N"] in BLOCK_NS
             and config["num_warps"] == NUM_WARPS.value and config["num_stages"] >= 2
-            and shared_bytes(config["BLOCK_N"], config["num_stages"]) <= SHARED_BYTES)
+            and shared_bytes(config["BLOCK_N"], config["num_stages"], split > 1) <= SHARED_BYTES)
 
 
-def shared_bytes(block_n: int, num_stages: int) -> int:
-    """Shared memory of a launch: the ring's A and B boxes, and the consumers' two bf16/fp16 C buffers."""
-    return num_stages * (BLOCK_M.value + block_n) * BLOCK_K.value + 2 * 64 * block_n * 2 + BARRIER_BYTES
+def shared_bytes(block_n: int, num_stages: int, split_k: bool = False) -> int:
+    """Shared memory of a launch: the ring's A and B boxes, and the consumers' two bf16/fp16 C buffers
+    (none with ``split_k``: fp32 partials leave from registers)."""
+    c_buffers = 0 if split_k else 2 * 64 * block_n * 2
+    return num_stages * (BLOCK_M.value + block_n) * BLOCK_K.value + c_buffers + BARRIER_BYTES
+
+
+def splits_fit(k: int, split_k: int) -> bool:
+    """Whether ``split_k`` splits of K's 128-wide blocks leave every split at least one block."""
+    return split_k <= triton.cdiv(k, BLOCK_K.value)
 
 
 @functools.cache
@@ -117,21 +126,39 @@ def out_descriptor(out, block_n: int) -> TensorDescriptor | None:
 
 @gluon.jit
 def _producer(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, k_blocks, experts, BLOCK_N: gl.constexpr,
-              GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, GROUPED: gl.constexpr):
-    """Copy every K block of this program's tiles' A and B rows into the ring, one tile after the
-    other, each slot once both consumers have handed it back: the next tile's first blocks land
+              GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, GROUPED: gl.constexpr, SPLIT_K: gl.constexpr):
+    """Copy every K block of this program's work items' A and B rows into the ring, one item after the
+    other, each slot once both consumers have handed it back: the next item's first blocks land
     while the consumers store the last one."""
     nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     it = 0  # K blocks copied so far: the ring's position
-    for tile in range(gl.program_id(0), _num_tiles(M, N, BLOCK_N), gl.num_programs(0)):
-        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    for item in range(gl.program_id(0), _num_tiles(M, N, BLOCK_N) * SPLIT_K, gl.num_programs(0)):
+        pid_m, pid_n, k_first, k_count = _work(item, M, N, k_blocks, BLOCK_N, GROUP_M, SPLIT_K)
         b_row = _expert(experts, pid_m, GROUPED) * N + pid_n * BLOCK_N
-        for kb in range(k_blocks):
+        for kb in range(k_first, k_first + k_count):
             slot = claim_slot(ready, empty, it, nbytes, NUM_STAGES)
             tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kb * BLOCK_K], ready.index(slot),
                                             a_ring.index(slot))
             tma.async_copy_global_to_shared(b_desc, [b_row, kb * BLOCK_K], ready.index(slot), b_ring.index(slot))
             it += 1
+
+
+@gluon.jit
+def _work(item, M, N, k_blocks, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, SPLIT_K: gl.constexpr):
+    """Work item ``item``: its tile ``(pid_m, pid_n)`` of C (``grouped_tile``) and its split's K blocks
+    ``k_first ..< k_first + k_count``: split ``s = item % SPLIT_K`` takes blocks ``s k_blocks // SPLIT_K ..<
+    (s + 1) k_blocks // SPLIT_K`` (all of them without a split)."""
+    if SPLIT_K == 1:
+        tile = item
+        k_first = 0
+        k_count = k_blocks
+    else:
+        tile = item // SPLIT_K
+        split = item % SPLIT_K
+        k_first = split * k_blocks // SPLIT_K
+        k_count = (split + 1) * k_blocks // SPLIT_K - k_first
+    pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    return pid_m, pid_n, k_first, k_count
 
 
 @gluon.jit
@@ -190,17 +217,18 @@ def _hand_back(empty, it, NUM_STAGES: gl.constexpr):
 
 @gluon.jit
 def _tile(a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, stride_asm, stride_bsn, pid_m, pid_n,
-          k_blocks, it, experts, mma: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-          C_TMA: gl.constexpr, GROUPED: gl.constexpr):
-    """Rows ``64 WG ..`` of tile ``(pid_m, pid_n)``, whose first K block is the ring's block ``it``:
-    every K block's wgmma, folded with its scales, then stored. Two partials in flight, as in
-    ``gemm_sm90`` (K blocks in pairs, each register set's next wgmma writing over its folded partial,
-    the folds volatile): a K block's fold runs under the next one's wgmma."""
+          k_first, k_blocks, it, experts, mma: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
+          NUM_STAGES: gl.constexpr, C_TMA: gl.constexpr, GROUPED: gl.constexpr, c_row0=0):
+    """Rows ``64 WG ..`` of tile ``(pid_m, pid_n)`` over its ``k_blocks`` K blocks from ``k_first``, the
+    first of them the ring's block ``it``: every K block's wgmma, folded with its scales, then stored
+    (at C's rows ``c_row0`` further: a split's partial). Two partials in flight, as in ``gemm_sm90``
+    (K blocks in pairs, each register set's next wgmma writing over its folded partial, the folds
+    volatile): a K block's fold runs under the next one's wgmma."""
     rows = pid_m * BLOCK_M + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
     cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
     mask_rows = rows < M
-    a_scales = a_scale_ptr + rows.to(gl.int64) * stride_asm
-    b_scale = b_scale_ptr + (pid_n * BLOCK_N // BLOCK_K).to(gl.int64) * stride_bsn
+    a_scales = a_scale_ptr + rows.to(gl.int64) * stride_asm + k_first
+    b_scale = b_scale_ptr + (pid_n * BLOCK_N // BLOCK_K).to(gl.int64) * stride_bsn + k_first
     if GROUPED:  # this row block's expert's weight scales
         b_scale += _expert(experts, pid_m, GROUPED).to(gl.int64) * experts[4]
     acc = gl.zeros([64, BLOCK_N], gl.float32, layout=mma)
@@ -246,23 +274,25 @@ def _tile(a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, s
         tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M + WG * 64, pid_n * BLOCK_N], c_buf)
     else:
         c_ptr, stride_cm = c_out
-        c = c_ptr + rows.to(gl.int64)[:, None] * stride_cm + cols[None, :]
+        c = c_ptr + (rows.to(gl.int64) + c_row0)[:, None] * stride_cm + cols[None, :]
         gl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_rows[:, None] & (cols < N)[None, :])
 
 
 @gluon.jit
 def _consumer(a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, stride_asm, stride_bsn, k_blocks,
               experts, WG: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-              C_TMA: gl.constexpr, GROUPED: gl.constexpr):
-    """Consumer warpgroup ``WG``: its 64 rows of each of this program's tiles, in the producer's order.
-    ``c_out``: C's descriptor and the consumers' shared buffers (``C_TMA``), or its pointer and row stride."""
+              C_TMA: gl.constexpr, GROUPED: gl.constexpr, SPLIT_K: gl.constexpr):
+    """Consumer warpgroup ``WG``: its 64 rows of each of this program's work items, in the producer's order.
+    ``c_out``: C's descriptor and the consumers' shared buffers (``C_TMA``), or its pointer and row stride
+    (with ``SPLIT_K``, the fp32 partials ``[SPLIT_K, M, N]``)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     it = 0
-    for tile in range(gl.program_id(0), _num_tiles(M, N, BLOCK_N), gl.num_programs(0)):
-        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    for item in range(gl.program_id(0), _num_tiles(M, N, BLOCK_N) * SPLIT_K, gl.num_programs(0)):
+        pid_m, pid_n, k_first, k_count = _work(item, M, N, k_blocks, BLOCK_N, GROUP_M, SPLIT_K)
         _tile(a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, stride_asm, stride_bsn, pid_m,
-              pid_n, k_blocks, it, experts, mma, WG, BLOCK_N, NUM_STAGES, C_TMA, GROUPED)
-        it += k_blocks
+              pid_n, k_first, k_count, it, experts, mma, WG, BLOCK_N, NUM_STAGES, C_TMA, GROUPED,
+              item % SPLIT_K * M)
+        it += k_count
     if C_TMA:
         tma.store_wait(0)  # the shared buffer outlives the last bulk store
 
@@ -273,7 +303,7 @@ def block_scaled_gemm_kernel_sm90_ws(
     M, N, K, stride_cm, stride_asm, stride_bsn,
     BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, c_desc=None, C_TMA: gl.constexpr = False,
     rows_in_use_ptr=None, block_expert_ptr=None, sorted_ids_ptr=None, weights_ptr=None, num_pairs=0, stride_bse=0,
-    GROUPED: gl.constexpr = False,
+    GROUPED: gl.constexpr = False, SPLIT_K: gl.constexpr = 1,
 ):
     """Persistent: program ``p`` of ``P`` takes the ``128 x BLOCK_N`` tiles ``p, p + P, ...`` of C
     (``grid``; ordered by ``gemm_sm90.grouped_tile``), each over all K blocks, through one ring.
@@ -285,8 +315,13 @@ def block_scaled_gemm_kernel_sm90_ws(
     expert ``block_expert[m]``'s rows of B and of ``b_scale`` (``stride_bse`` apart), only the
     ``rows_in_use[0]`` rows of runs are computed (``M`` bounds the descriptors), and, given
     ``weights_ptr``, each row of C is multiplied by ``weights[sorted_ids[row]]`` (0 where that is
-    ``num_pairs``, a padding row); without it C's padding rows hold whatever A's padding rows give."""
+    ``num_pairs``, a padding row); without it C's padding rows hold whatever A's padding rows give.
+
+    ``SPLIT_K`` > 1 (not grouped; ``splits_fit``): each tile is ``SPLIT_K`` work items, each over its
+    share of the K blocks (``_work``), and ``c_ptr`` the fp32 partials ``[SPLIT_K, M, N]`` (``stride_cm`` =
+    N, stored from registers) that ``gemm._split_k_sum_kernel`` adds up."""
     gl.static_assert(gl.num_warps() == NUM_WARPS and BLOCK_N <= BLOCK_K and NUM_STAGES >= 2)
+    gl.static_assert(SPLIT_K == 1 or not (GROUPED or C_TMA))
     k_blocks = gl.cdiv(K, BLOCK_K)
     if GROUPED:
         M = gl.load(rows_in_use_ptr)
@@ -303,17 +338,19 @@ def block_scaled_gemm_kernel_sm90_ws(
 
     gl.warp_specialize([
         (_consumer, (a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, stride_asm, stride_bsn,
-                     k_blocks, experts, 0, BLOCK_N, GROUP_M, NUM_STAGES, C_TMA, GROUPED)),
+                     k_blocks, experts, 0, BLOCK_N, GROUP_M, NUM_STAGES, C_TMA, GROUPED, SPLIT_K)),
         (_consumer, (a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, stride_asm, stride_bsn,
-                     k_blocks, experts, 1, BLOCK_N, GROUP_M, NUM_STAGES, C_TMA, GROUPED)),
+                     k_blocks, experts, 1, BLOCK_N, GROUP_M, NUM_STAGES, C_TMA, GROUPED, SPLIT_K)),
         (_producer, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, k_blocks, experts, BLOCK_N, GROUP_M,
-                     NUM_STAGES, GROUPED)),
+                     NUM_STAGES, GROUPED, SPLIT_K)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def grid(m: int, n: int, block_n: int, device: torch.device, block_m: int = BLOCK_M.value) -> tuple[int]:
-    """One program a multiprocessor, or a program a ``block_m x block_n`` tile where there are fewer tiles."""
-    return (min(triton.cdiv(m, block_m) * triton.cdiv(n, block_n), _num_sms(device.index)),)
+def grid(m: int, n: int, block_n: int, device: torch.device, block_m: int = BLOCK_M.value,
+         split_k: int = 1) -> tuple[int]:
+    """One program a multiprocessor, or a program a work item (``block_m x block_n`` tile, or one of its
+    ``split_k`` K splits) where there are fewer."""
+    return (min(triton.cdiv(m, block_m) * triton.cdiv(n, block_n) * split_k, _num_sms(device.index)),)
 
 
 @functools.cache

@@ -370,6 +370,8 @@ def _grouped_gemm_sm90_ws(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pai
     if not b.is_contiguous():
         raise ValueError("the sm90_ws MoE kernel reads the experts' weights as one [E * N, K] matrix: they must be "
                          f"contiguous, got strides {b.stride()}")
+    if launch.get("SPLIT_K", 1) != 1:
+        raise ValueError(f"the sm90_ws MoE kernel does not split K: the config's SPLIT_K is {launch['SPLIT_K']}")
     experts, n, k = b.shape
     stacked = b.view(experts * n, k)
     require_sm90(gemm_sm90_ws, dict(launch, BLOCK_M=block_m), a, stacked)

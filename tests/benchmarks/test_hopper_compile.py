@@ -27,7 +27,7 @@ def hopper_compile(*args: str, **environ: str) -> dict:
 
 def test_every_kernel_compiles_for_hopper():
     reports = hopper_compile("all")
-    assert len(reports) == 44
+    assert len(reports) == 46
     for label, report in reports.items():
         if label.startswith("decode, "):
             assert report["async_copies"] + report["tma_copies"] > 0, f"{label}: the tile loads are not asynchronous"
@@ -44,9 +44,10 @@ def test_every_kernel_compiles_for_hopper():
     # 168 registers a thread (the consumers get 232 each by setmaxnreg); C by bulk stores (224 KiB of
     # shared memory at 128 x 128 with six stages, under the 227 KiB checked below) or from registers
     # The fused MoE's down GEMM (grouped: B rows and scales by each row block's expert, C rows weighted) alike,
-    # and its gate/up GEMM of SEPARATE_ACT (grouped, C rows not weighted).
+    # and its gate/up GEMM of SEPARATE_ACT (grouped, C rows not weighted); and K splits (fp32 partials).
     for label in ("gemm sm90 ws 128x128", "gemm sm90 ws 128x64", "gemm sm90 ws 128x128, C from registers",
-                  "moe down gemm, sm90 ws 128x128", "moe gate/up gemm, sm90 ws 128x128, products"):
+                  "moe down gemm, sm90 ws 128x128", "moe gate/up gemm, sm90 ws 128x128, products",
+                  "gemm sm90 ws 128x64, split 4", "gemm sm90 ws 128x128, split 2"):
         report = reports[label]
         assert (report["tma_copies"], report["wgmma"], report["async_copies"]) == (2, 32, 0), label
         assert report["spill_bytes"] == 0 and report["registers"] <= 168, label

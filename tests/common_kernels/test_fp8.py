@@ -206,11 +206,19 @@ def test_sm90_gemm_refuses_other_devices_and_configs():
         with pytest.raises(ValueError, match="Hopper GPUs only"):
             block_scaled_gemm(a, a_scale, b, b_scale, config=ws)
     # seven stages of 128 x 128 boxes and the C buffers pass the 227 KiB of shared memory a block has
-    for bad in (dict(BLOCK_N=256), dict(SPLIT_K=2), dict(BLOCK_M=64), dict(num_warps=8), dict(num_stages=1),
+    for bad in (dict(BLOCK_N=256), dict(SPLIT_K=5), dict(BLOCK_M=64), dict(num_warps=8), dict(num_stages=1),
                 dict(num_stages=7)):
         with pytest.raises(ValueError, match=r"does not fit the sm_90 GEMM kernel \(.*gemm_sm90_ws.fits\)"):
             block_scaled_gemm(a, a_scale, b, b_scale, config=dict(ws, **bad))
     assert gemm_sm90_ws.fits(dict(ws, BLOCK_N=64, num_stages=8))  # narrower boxes leave room for more
+    # K splits: fp32 partials leave from registers (no C buffers: room for a seventh stage); each split
+    # needs a K block of its own (K = 256 has two)
+    assert gemm_sm90_ws.fits(dict(ws, SPLIT_K=2, num_stages=7))
+    with pytest.raises(ValueError, match=r"SPLIT_K=3 leaves a split of K = 256 without a 128-wide block"):
+        block_scaled_gemm(a, a_scale, b, b_scale, config=dict(ws, SPLIT_K=3))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="Hopper GPUs only"):
+            block_scaled_gemm(a, a_scale, b, b_scale, config=dict(ws, SPLIT_K=2))
     e5m2 = b.float().to(torch.float8_e5m2)
     for launch in (config, ws):
         with pytest.raises(ValueError, match="take E4M3 operands, got torch.float8_e4m3fn and torch.float8_e5m2"):

@@ -75,3 +75,36 @@ def test_ws_output_rows_bulk_stores_cannot_take(config):
     ref = block_scaled_gemm_ref(a, a_scale, b, b_scale, torch.float32)
     assert_close(out, ref, atol=2e-3 * ref.abs().max().item(), rtol=1e-2, name="sm90_ws gemm, C from registers")
     assert buffer[:, n:].isnan().all(), "the kernel wrote past C's columns"
+
+
+WS_SPLIT_CONFIGS = [dict(BLOCK_M=128, BLOCK_N=bn, SPLIT_K=split, GROUP_M=8, num_warps=4, num_stages=stages,
+                         KERNEL="sm90_ws")
+                    for bn in gemm_sm90_ws.BLOCK_NS for split, stages in ((2, 4), (3, 7), (4, 2), (16, 4))]
+
+
+@pytest.mark.parametrize("config", WS_SPLIT_CONFIGS,
+                         ids=lambda c: f"ws-128x{c['BLOCK_N']}-split{c['SPLIT_K']}-s{c['num_stages']}")
+@pytest.mark.parametrize("m, n, k", [(1, 64, 384), (70, 200, 640), (300, 576, 1168), (129, 2112, 7168)])
+def test_ws_k_splits(config, m, n, k):
+    """K splits of the warp-specialized kernel: fp32 partials from registers, summed after. Splits of
+    unequal length (three, five or ten K blocks, a partial last one), more work items than multiprocessors
+    at (129, 2112, 7168) (each persistent program takes several, with their own K ranges through one
+    ring), and a C view whose rows are not 16-byte aligned for the sum. A split without a K block is
+    refused by name."""
+    a, a_scale = quantize_per_token_group_ref(torch.randn(m, k, device="cuda") * 3)
+    b, b_scale = quantize_weight_blocks_ref(torch.randn(n, k, device="cuda") * 0.02)
+    buffer = torch.full((m, n + 3), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = buffer[:, :n]
+    if not gemm_sm90_ws.splits_fit(k, config["SPLIT_K"]):
+        with pytest.raises(ValueError, match="without a 128-wide block"):
+            block_scaled_gemm(a, a_scale, b, b_scale, out=out, config=config)
+        return
+    block_scaled_gemm(a, a_scale, b, b_scale, out=out, config=config)
+    ref = block_scaled_gemm_ref(a, a_scale, b, b_scale, torch.float32)
+    atol = 2e-3 * ref.abs().max().item()
+    assert_close(out, ref, atol=atol, rtol=1e-2, name="sm90_ws gemm, K split")
+    rel_rms = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel_rms < 3e-3, f"relative RMS error {rel_rms:.2e}: more than bf16 rounding (1.7e-3)"
+    assert buffer[:, n:].isnan().all(), "the sum wrote past C's columns"
+    whole = block_scaled_gemm(a, a_scale, b, b_scale, config=dict(config, SPLIT_K=1, num_stages=4))
+    assert_close(out, whole, atol=atol, rtol=1e-2, name="K split vs one pass")
