@@ -308,6 +308,12 @@ def every_kernel_report() -> dict[str, HopperReport]:
     reports["moe expert scatter"] = compile_for_hopper(
         moe._scatter_by_expert_kernel, dict(ids_ptr=i32, sorted_ids_ptr=i32, position_ptr=i32, cursor_ptr=i32),
         dict(E_PAD=512, CHUNK=2048), 4, 3, unaligned=("pairs", "num_experts"))
+    # decode batches (up to 1024 pairs): the three phases in one program
+    reports["moe expert sort, one program"] = compile_for_hopper(
+        moe._align_one_program_kernel,
+        dict(ids_ptr=i32, cursor_ptr=i32, sorted_ids_ptr=i32, block_expert_ptr=i32, position_ptr=i32,
+             used_rows_ptr=i32), dict(BLOCK_M=16, E_PAD=512, CHUNK=1024, BLOCKS_CHUNK=32), 8, 3,
+        unaligned=("pairs", "num_experts", "size"))
     # gate/up also with its quantizing epilogue (the intermediate stored as E4M3 and group scales); "capped":
     # launches tune_fp8_moe tries under a register cap, three programs a multiprocessor; 16-row runs (decode)
     # with products as A B^T, or as B A^T ("swapped")

@@ -130,7 +130,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLO
     Work split: each of up to ``ALIGN_MAX_PROGRAMS`` programs counts its chunk of pairs per expert
     (``tl.histogram``, no atomics); one program turns the counts into run starts, each program's
     first row in each run and each block's expert; then each program scatters its pairs, taking
-    rows from its own counters, so atomics only meet within a program.
+    rows from its own counters, so atomics only meet within a program. Up to one chunk of pairs
+    (decode batches), one program does all three in one launch, the phases split by barriers.
     """
     pairs = topk_ids.numel()
     size = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
@@ -143,6 +144,11 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLO
     position = torch.empty(pairs, dtype=torch.int32, device=ids.device)
     used_rows = torch.empty(1, dtype=torch.int32, device=ids.device)
     cursor = torch.empty(programs, e_pad, dtype=torch.int32, device=ids.device)
+    if programs == 1:
+        _align_one_program_kernel[(1,)](ids, cursor, sorted_ids, block_expert, position, used_rows, pairs,
+                                        num_experts, size, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk,
+                                        BLOCKS_CHUNK=32, num_warps=8)
+        return ExpertRuns(sorted_ids[:size], block_expert, position, used_rows)
     _count_by_expert_kernel[(programs,)](ids, cursor, sorted_ids, pairs, num_experts, size, E_PAD=e_pad,
                                          CHUNK=chunk)
     _run_starts_kernel[(1,)](cursor, block_expert, used_rows, programs, num_experts, size, BLOCK_M=block_m,
@@ -153,9 +159,9 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLO
 
 
 @triton.jit
-def _expert_keys(ids_ptr, pairs, num_experts, CHUNK: tl.constexpr):
-    """This program's pair indices, whether each is real, and its bin (``num_experts`` if left out)."""
-    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+def _expert_keys(ids_ptr, pairs, num_experts, pid, CHUNK: tl.constexpr):
+    """Program ``pid``'s pair indices, whether each is real, and its bin (``num_experts`` if left out)."""
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
     in_range = offs < pairs
     key = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
     return offs, in_range, tl.where(key < 0, num_experts, key)
@@ -164,12 +170,18 @@ def _expert_keys(ids_ptr, pairs, num_experts, CHUNK: tl.constexpr):
 @triton.jit
 def _count_by_expert_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, pairs, num_experts, size, E_PAD: tl.constexpr,
                             CHUNK: tl.constexpr):
-    """Row ``p`` of ``cursor``: program ``p``'s pairs per bin. Also fills this program's share of
-    ``sorted_ids[:size]`` with the padding marker (before the scatter launch overwrites it)."""
-    pid = tl.program_id(0)
-    _, in_range, key = _expert_keys(ids_ptr, pairs, num_experts, CHUNK)
+    _count_by_expert(ids_ptr, cursor_ptr, sorted_ids_ptr, pairs, num_experts, size, tl.program_id(0),
+                     tl.num_programs(0), E_PAD, CHUNK)
+
+
+@triton.jit
+def _count_by_expert(ids_ptr, cursor_ptr, sorted_ids_ptr, pairs, num_experts, size, pid, programs,
+                     E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Row ``pid`` of ``cursor``: program ``pid``'s pairs per bin. Also fills this program's share of
+    ``sorted_ids[:size]`` with the padding marker (before the scatter overwrites it)."""
+    _, in_range, key = _expert_keys(ids_ptr, pairs, num_experts, pid, CHUNK)
     tl.store(cursor_ptr + pid * E_PAD + tl.arange(0, E_PAD), tl.histogram(key, E_PAD, mask=in_range))
-    share = tl.cdiv(size, tl.num_programs(0))
+    share = tl.cdiv(size, programs)
     for start in range(pid * share, tl.minimum(pid * share + share, size), CHUNK):
         offs = start + tl.arange(0, CHUNK)
         tl.store(sorted_ids_ptr + offs, tl.full([CHUNK], 0, tl.int32) + pairs,
@@ -179,6 +191,13 @@ def _count_by_expert_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, pairs, num_expe
 @triton.jit
 def _run_starts_kernel(cursor_ptr, block_expert_ptr, used_rows_ptr, programs, num_experts, size,
                        BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, P_PAD: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
+    _run_starts(cursor_ptr, block_expert_ptr, used_rows_ptr, programs, num_experts, size, BLOCK_M, E_PAD, P_PAD,
+                BLOCKS_CHUNK)
+
+
+@triton.jit
+def _run_starts(cursor_ptr, block_expert_ptr, used_rows_ptr, programs, num_experts, size, BLOCK_M: tl.constexpr,
+                E_PAD: tl.constexpr, P_PAD: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
     """Counts per program and bin -> each program's first row in each expert's padded run (the
     left-out bin starts at ``size``, past the returned rows), each block's expert and the rows of
     all runs."""
@@ -205,11 +224,31 @@ def _run_starts_kernel(cursor_ptr, block_expert_ptr, used_rows_ptr, programs, nu
 @triton.jit
 def _scatter_by_expert_kernel(ids_ptr, sorted_ids_ptr, position_ptr, cursor_ptr, pairs, num_experts,
                               E_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """Each pair to the next free row of its bin, from this program's own counters."""
-    offs, in_range, key = _expert_keys(ids_ptr, pairs, num_experts, CHUNK)
-    row = tl.atomic_add(cursor_ptr + tl.program_id(0) * E_PAD + key, 1, mask=in_range)
+    _scatter_by_expert(ids_ptr, sorted_ids_ptr, position_ptr, cursor_ptr, pairs, num_experts, tl.program_id(0),
+                       E_PAD, CHUNK)
+
+
+@triton.jit
+def _scatter_by_expert(ids_ptr, sorted_ids_ptr, position_ptr, cursor_ptr, pairs, num_experts, pid,
+                       E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Each of program ``pid``'s pairs to the next free row of its bin, from that program's own counters."""
+    offs, in_range, key = _expert_keys(ids_ptr, pairs, num_experts, pid, CHUNK)
+    row = tl.atomic_add(cursor_ptr + pid * E_PAD + key, 1, mask=in_range)
     tl.store(sorted_ids_ptr + row, offs, mask=in_range)
     tl.store(position_ptr + offs, row, mask=in_range)
+
+
+@triton.jit
+def _align_one_program_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, block_expert_ptr, position_ptr, used_rows_ptr,
+                              pairs, num_experts, size, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                              CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr):
+    """The three launches' work for up to ``CHUNK`` pairs in one program, each phase behind a barrier
+    (its stores to global memory visible to the program's other threads)."""
+    _count_by_expert(ids_ptr, cursor_ptr, sorted_ids_ptr, pairs, num_experts, size, 0, 1, E_PAD, CHUNK)
+    tl.debug_barrier()
+    _run_starts(cursor_ptr, block_expert_ptr, used_rows_ptr, 1, num_experts, size, BLOCK_M, E_PAD, 1, BLOCKS_CHUNK)
+    tl.debug_barrier()
+    _scatter_by_expert(ids_ptr, sorted_ids_ptr, position_ptr, cursor_ptr, pairs, num_experts, 0, E_PAD, CHUNK)
 
 
 def append_shared_experts(topk_ids: torch.Tensor, topk_weights: torch.Tensor, first_shared: int, num_shared: int,

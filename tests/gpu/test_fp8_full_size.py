@@ -115,9 +115,10 @@ def test_fused_moe_untuned_hopper_tp8_experts(tokens):
     assert_close(out[:rows], expected, atol=2e-2, rtol=2e-2, name=f"moe {config}")
 
 
-@pytest.mark.parametrize("tokens", [1, 4096, 20000])
+@pytest.mark.parametrize("tokens", [1, 113, 114, 4096, 20000])
 def test_expert_sort_deepseek_sizes(tokens):
-    """DeepSeek-V3's 256 routed experts + 1 shared, top 8 + 1: up to 32 programs of pairs."""
+    """DeepSeek-V3's 256 routed experts + 1 shared, top 8 + 1: up to 32 programs of pairs; up to 113
+    tokens (1017 pairs) all three phases in one program and launch, from 114 (1026) two programs."""
     from common_kernels.fp8.moe import align_by_expert
     from common_kernels.fp8.reference import align_by_expert_ref
     from tests.common_kernels.test_fp8_moe import assert_positions_invert, assert_same_runs
