@@ -38,7 +38,6 @@ from ..fp8_format import FP8_DTYPES, fp8_grid
 from . import gemm_sm90_ws, moe_sm90_ws
 from .gemm import SCALE_BLOCK, aligned_rows, e4m3_operands, nearest_tuned, require_sm90, tuned_table
 from .moe_sm90_ws import silu_gate
-from .silu_mul_quant import silu_mul_group_quant
 from .quant import (
     GROUP_BLOCK_ROWS,
     QUANT_EPS,
@@ -47,6 +46,7 @@ from .quant import (
     quantize_groups,
     quantize_per_token_group,
 )
+from .silu_mul_quant import silu_mul_group_quant
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 16 if _INTERPRET else 64
