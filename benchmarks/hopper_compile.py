@@ -262,28 +262,20 @@ def every_kernel_report() -> dict[str, HopperReport]:
             dict(BLOCK_N=bn, GROUP_M=8, NUM_STAGES=6, SPLIT_K=split), gemm_sm90_ws.NUM_WARPS.value, 1,
             unaligned=("M", "stride_asm", "stride_bsn"), maxnreg=gemm_sm90_ws.MAXNREG,
             typed=dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc)))
-    # grouped: the fused MoE's down GEMM at DeepSeek-V3 (256 experts of 7168 x 2048), 128-row runs
-    a, b = torch.empty(49152, 2048, dtype=fp8), torch.empty(256 * 7168, 2048, dtype=fp8)
-    a_desc, b_desc = gemm_sm90_ws.descriptors(a, b, 128)
-    c_desc = gemm_sm90_ws.out_descriptor(torch.empty(49152, 7168, dtype=bf16), 128)
-    reports["moe down gemm, sm90 ws 128x128"] = compile_for_hopper(
-        gemm_sm90_ws.block_scaled_gemm_kernel_sm90_ws,
-        dict(c_ptr=bf16, a_scale_ptr=f32, b_scale_ptr=f32, rows_in_use_ptr=i32, block_expert_ptr=i32,
-             sorted_ids_ptr=i32, weights_ptr=f32),
-        dict(BLOCK_N=128, GROUP_M=8, NUM_STAGES=6, C_TMA=True, GROUPED=True), gemm_sm90_ws.NUM_WARPS.value, 1,
-        unaligned=("M", "stride_asm", "stride_bsn", "num_pairs", "stride_bse"), maxnreg=gemm_sm90_ws.MAXNREG,
-        typed=dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc), c_desc=mangle_type(c_desc)))
-    # the same kernel as the gate/up GEMM of SEPARATE_ACT (no routing weight), bf16 [P, 2I] products
-    a, b = torch.empty(49152, 7168, dtype=fp8), torch.empty(256 * 4096, 7168, dtype=fp8)
-    a_desc, b_desc = gemm_sm90_ws.descriptors(a, b, 128)
-    c_desc = gemm_sm90_ws.out_descriptor(torch.empty(49152, 4096, dtype=bf16), 128)
-    reports["moe gate/up gemm, sm90 ws 128x128, products"] = compile_for_hopper(
-        gemm_sm90_ws.block_scaled_gemm_kernel_sm90_ws,
-        dict(c_ptr=bf16, a_scale_ptr=f32, b_scale_ptr=f32, rows_in_use_ptr=i32, block_expert_ptr=i32,
-             sorted_ids_ptr=i32),
-        dict(BLOCK_N=128, GROUP_M=8, NUM_STAGES=6, C_TMA=True, GROUPED=True), gemm_sm90_ws.NUM_WARPS.value, 1,
-        unaligned=("M", "stride_asm", "stride_bsn", "num_pairs", "stride_bse"), maxnreg=gemm_sm90_ws.MAXNREG,
-        typed=dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc), c_desc=mangle_type(c_desc)))
+    # grouped by expert over 128-row runs, at DeepSeek-V3's 256 experts: the fused MoE's down GEMM (7168 x 2048,
+    # rows times their routing weights) and SEPARATE_ACT's gate/up GEMM (4096 x 7168, bf16 products, no weights)
+    for label, (n, k), weighted in (("moe down gemm, sm90 ws 128x128", (7168, 2048), True),
+                                    ("moe gate/up gemm, sm90 ws 128x128, products", (4096, 7168), False)):
+        a, b = torch.empty(49152, k, dtype=fp8), torch.empty(256 * n, k, dtype=fp8)
+        a_desc, b_desc = gemm_sm90_ws.descriptors(a, b, 128)
+        c_desc = gemm_sm90_ws.out_descriptor(torch.empty(49152, n, dtype=bf16), 128)
+        reports[label] = compile_for_hopper(
+            gemm_sm90_ws.block_scaled_gemm_kernel_sm90_ws,
+            dict(c_ptr=bf16, a_scale_ptr=f32, b_scale_ptr=f32, rows_in_use_ptr=i32, block_expert_ptr=i32,
+                 sorted_ids_ptr=i32) | (dict(weights_ptr=f32) if weighted else {}),
+            dict(BLOCK_N=128, GROUP_M=8, NUM_STAGES=6, C_TMA=True, GROUPED=True), gemm_sm90_ws.NUM_WARPS.value, 1,
+            unaligned=("M", "stride_asm", "stride_bsn", "num_pairs", "stride_bse"), maxnreg=gemm_sm90_ws.MAXNREG,
+            typed=dict(a_desc=mangle_type(a_desc), b_desc=mangle_type(b_desc), c_desc=mangle_type(c_desc)))
     # the fused MoE's gate/up GEMM, warp-specialized, at DeepSeek-V3 (2 x 2048 x 7168 experts), 128-row runs
     a, w13 = torch.empty(49152, 7168, dtype=fp8), torch.empty(256, 4096, 7168, dtype=fp8)
     a_desc, w_desc = moe_sm90_ws.descriptors(a, w13)

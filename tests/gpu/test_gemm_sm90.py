@@ -43,13 +43,19 @@ def test_matches_reference_and_triton(config, m, n, k):
     b, b_scale = quantize_weight_blocks_ref(w)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     block_scaled_gemm(a, a_scale, b, b_scale, out=out, config=config)
-    ref = block_scaled_gemm_ref(a, a_scale, b, b_scale, torch.float32)
-    atol = 2e-3 * ref.abs().max().item()
-    assert_close(out, ref, atol=atol, rtol=1e-2, name="sm90 gemm")
-    rel_rms = ((out.float() - ref).norm() / ref.norm()).item()
-    assert rel_rms < 3e-3, f"relative RMS error {rel_rms:.2e}: more than bf16 rounding (1.7e-3)"
+    atol = assert_matches_reference(out, a, a_scale, b, b_scale, "sm90 gemm")
     triton_out = block_scaled_gemm(a, a_scale, b, b_scale)  # the tuned table's Triton config
     assert_close(out, triton_out, atol=atol, rtol=1e-2, name="sm90 gemm vs triton")
+
+
+def assert_matches_reference(out, a, a_scale, b, b_scale, name) -> float:
+    """``out`` against the fp32 reference (module docstring's tolerance); returns that tolerance."""
+    ref = block_scaled_gemm_ref(a, a_scale, b, b_scale, torch.float32)
+    atol = 2e-3 * ref.abs().max().item()
+    assert_close(out, ref, atol=atol, rtol=1e-2, name=name)
+    rel_rms = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel_rms < 3e-3, f"{name}: relative RMS error {rel_rms:.2e}, more than bf16 rounding (1.7e-3)"
+    return atol
 
 
 @pytest.mark.parametrize("kernel", ["sm90", "sm90_ws"])
@@ -100,11 +106,7 @@ def test_ws_k_splits(config, m, n, k):
             block_scaled_gemm(a, a_scale, b, b_scale, out=out, config=config)
         return
     block_scaled_gemm(a, a_scale, b, b_scale, out=out, config=config)
-    ref = block_scaled_gemm_ref(a, a_scale, b, b_scale, torch.float32)
-    atol = 2e-3 * ref.abs().max().item()
-    assert_close(out, ref, atol=atol, rtol=1e-2, name="sm90_ws gemm, K split")
-    rel_rms = ((out.float() - ref).norm() / ref.norm()).item()
-    assert rel_rms < 3e-3, f"relative RMS error {rel_rms:.2e}: more than bf16 rounding (1.7e-3)"
+    atol = assert_matches_reference(out, a, a_scale, b, b_scale, "sm90_ws gemm, K split")
     assert buffer[:, n:].isnan().all(), "the sum wrote past C's columns"
     whole = block_scaled_gemm(a, a_scale, b, b_scale, config=dict(config, SPLIT_K=1, num_stages=4))
     assert_close(out, whole, atol=atol, rtol=1e-2, name="K split vs one pass")
