@@ -84,7 +84,7 @@ def ws_config(block_n: int, stages: int, split: int = 1) -> dict:
 def tune_one(m: int, n: int, k: int, w, ws, sms: int) -> dict:
     a, a_s = quantize_per_token_group(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
     ref = block_scaled_gemm_ref(a, a_s, w, ws, torch.float32)
-    best, default = None, default_config(m, n, k, sms, torch.cuda.get_device_capability()[0] == 9)
+    best, default = None, default_config(m, n, k, sms, _on_hopper())
     for config in [default, *candidates(m, k)]:
         try:
             out = block_scaled_gemm(a, a_s, w, ws, config=config)
