@@ -300,7 +300,7 @@ def every_kernel_report() -> dict[str, HopperReport]:
     reports["moe expert scatter"] = compile_for_hopper(
         moe._scatter_by_expert_kernel, dict(ids_ptr=i32, sorted_ids_ptr=i32, position_ptr=i32, cursor_ptr=i32),
         dict(E_PAD=512, CHUNK=2048), 4, 3, unaligned=("pairs", "num_experts"))
-    # decode batches (up to 1024 pairs): the three phases in one program
+    # decode batches (up to moe.ONE_LAUNCH_MAX_PAIRS): the three phases in one program
     reports["moe expert sort, one program"] = compile_for_hopper(
         moe._align_one_program_kernel,
         dict(ids_ptr=i32, cursor_ptr=i32, sorted_ids_ptr=i32, block_expert_ptr=i32, position_ptr=i32,

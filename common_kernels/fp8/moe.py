@@ -81,18 +81,15 @@ def untuned_config(rows_per_expert: float, hopper: bool = False) -> dict:
     and a small model's experts: 16-row runs and 64-wide tiles while experts see few rows each
     (decode, small batches), 64-row runs with a 128-wide down GEMM beyond.
 
-    ``hopper`` (an sm_90 GPU, weights the warp-specialized kernels take): beyond 16 rows an expert, the
-    warp-specialized gate/up GEMM, and from 64 rows 128-row runs with the warp-specialized down GEMM
-    too: DeepSeek-V3's tuned entries at 1024 tokens (32 rows an expert) and 4096 (128 rows)."""
+    ``hopper`` (an sm_90 GPU, weights the warp-specialized kernels take): from 128 rows an expert, 128-row
+    runs with both GEMMs warp-specialized, 1.12-1.29x the Triton launch's speed there on the H200; at 32
+    and 64 rows they were 0.92-1.06x, so fewer rows keep the Triton launch (results/fp8-h200-2026-12-05.md)."""
     if rows_per_expert <= 16:
         return {"BLOCK_M": 16, "gate_up": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 4},
                 "down": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4}}
-    if hopper:
-        gate_up = {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": 4}
-        if rows_per_expert >= 64:
-            return {"BLOCK_M": 128, "gate_up": gate_up,
-                    "down": {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": 6}}
-        return {"BLOCK_M": 64, "gate_up": gate_up, "down": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 4}}
+    if hopper and rows_per_expert >= 128:
+        return {"BLOCK_M": 128, "gate_up": {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
+                "down": {"KERNEL": "sm90_ws", "BLOCK_N": 128, "num_warps": 4, "num_stages": 6}}
     return {"BLOCK_M": 64, "gate_up": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
             "down": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3}}
 
@@ -106,6 +103,9 @@ def hopper_kernel(stage: str, launch: dict):
 
 
 ALIGN_MAX_PROGRAMS = 32  # the count and scatter launches' programs; each takes a chunk of >= 1024 pairs
+# Up to this many pairs the sort is one launch: on the H200 1.10-1.28x the three launches' speed at 8-512 pairs
+# over 256 experts (1.44-1.58x over 8), 0.96-0.97x at 904 pairs (results/fp8-h200-2026-12-05.md)
+ONE_LAUNCH_MAX_PAIRS = 512
 
 
 class ExpertRuns(NamedTuple):
@@ -130,8 +130,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLO
     Work split: each of up to ``ALIGN_MAX_PROGRAMS`` programs counts its chunk of pairs per expert
     (``tl.histogram``, no atomics); one program turns the counts into run starts, each program's
     first row in each run and each block's expert; then each program scatters its pairs, taking
-    rows from its own counters, so atomics only meet within a program. Up to one chunk of pairs
-    (decode batches), one program does all three in one launch, the phases split by barriers.
+    rows from its own counters, so atomics only meet within a program. Up to ``ONE_LAUNCH_MAX_PAIRS``
+    pairs (decode batches), one program does all three in one launch, the phases split by barriers.
     """
     pairs = topk_ids.numel()
     size = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
@@ -144,7 +144,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLO
     position = torch.empty(pairs, dtype=torch.int32, device=ids.device)
     used_rows = torch.empty(1, dtype=torch.int32, device=ids.device)
     cursor = torch.empty(programs, e_pad, dtype=torch.int32, device=ids.device)
-    if programs == 1:
+    if pairs <= ONE_LAUNCH_MAX_PAIRS:
         _align_one_program_kernel[(1,)](ids, cursor, sorted_ids, block_expert, position, used_rows, pairs,
                                         num_experts, size, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk,
                                         BLOCKS_CHUNK=32, num_warps=8)

@@ -68,11 +68,12 @@ def test_align_by_expert_places_every_pair_once(tokens):
 
 
 @pytest.mark.parametrize("tokens, experts, top_k, block_m",
-                         [(3, 4, 2, 16), (700, 40, 2, 16), (90, 9, 8, 64), (9000, 256, 8, 64)])
+                         [(3, 4, 2, 16), (64, 256, 8, 16), (65, 9, 8, 64), (700, 40, 2, 16), (9000, 256, 8, 64)])
 def test_align_by_expert_matches_reference(tokens, experts, top_k, block_m):
-    """Several programs of pairs (700 x 2 > 1024; DeepSeek-V3's 256 experts at 9000 tokens: 18
-    programs of 4096) and chunks of blocks (> 32); some experts get nothing and a tenth of the pairs
-    are on another rank. Runs match the reference up to the order inside each."""
+    """One launch (up to 512 pairs, DeepSeek-V3's 256 experts at 64 tokens), three launches of one program
+    (65 x 8), several programs of pairs (700 x 2 > 1024; 256 experts at 9000 tokens: 18 programs of 4096)
+    and chunks of blocks (> 32); some experts get nothing and a tenth of the pairs are on another rank.
+    Runs match the reference up to the order inside each."""
     ids = torch.randint(0, experts, (tokens, top_k), dtype=torch.int32)
     ids[ids == 1] = 0
     ids[torch.rand(tokens, top_k) < 0.1] = -1
@@ -375,11 +376,11 @@ def test_tuned_hopper_launches_give_way_for_weights_they_cannot_take(monkeypatch
     assert torch.equal(fused_moe_fp8(x, w13, s13, w2, s2, weights, ids), expected)
 
 
-@pytest.mark.parametrize("rows, block_m, kernels", [(16, 16, (None, None)), (17, 64, ("sm90_ws", None)),
-                                                    (32, 64, ("sm90_ws", None)), (64, 128, ("sm90_ws", "sm90_ws"))])
+@pytest.mark.parametrize("rows, block_m, kernels", [(16, 16, (None, None)), (17, 64, (None, None)),
+                                                    (127, 64, (None, None)), (128, 128, ("sm90_ws", "sm90_ws"))])
 def test_untuned_hopper_config(rows, block_m, kernels):
-    """Without a tuned entry, Hopper runs the warp-specialized gate/up GEMM beyond 16 rows an expert and the
-    down one too from 64 rows (``untuned_config``), at run lengths those kernels take; elsewhere Triton's."""
+    """Without a tuned entry, Hopper runs both warp-specialized GEMMs from 128 rows an expert
+    (``untuned_config``), at run lengths those kernels take; elsewhere Triton's."""
     config = untuned_config(rows, hopper=True)
     assert config["BLOCK_M"] == block_m and (config["gate_up"].get("KERNEL"), config["down"].get("KERNEL")) == kernels
     if kernels[0]:

@@ -95,10 +95,11 @@ def test_fused_moe_deepseek_experts(tokens, config):
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="Hopper")
-@pytest.mark.parametrize("tokens", [700, 4096])
+@pytest.mark.parametrize("tokens", [4096, 5000])
 def test_fused_moe_untuned_hopper_tp8_experts(tokens):
     """DeepSeek-V3's 256 experts as one of eight tensor-parallel ranks holds them (intermediate 256), top 8,
-    under the untuned Hopper launch (warp-specialized gate/up; at 4096 tokens, 128 rows an expert, down too)."""
+    under the untuned Hopper launch (both GEMMs warp-specialized from 128 rows an expert; 5000 tokens:
+    runs of ragged lengths)."""
     from common_kernels.fp8 import fused_moe_fp8
     from common_kernels.fp8.moe import untuned_config
     from common_kernels.fp8.reference import fused_moe_fp8_ref
@@ -115,10 +116,11 @@ def test_fused_moe_untuned_hopper_tp8_experts(tokens):
     assert_close(out[:rows], expected, atol=2e-2, rtol=2e-2, name=f"moe {config}")
 
 
-@pytest.mark.parametrize("tokens", [1, 113, 114, 4096, 20000])
+@pytest.mark.parametrize("tokens", [1, 56, 57, 114, 4096, 20000])
 def test_expert_sort_deepseek_sizes(tokens):
-    """DeepSeek-V3's 256 routed experts + 1 shared, top 8 + 1: up to 32 programs of pairs; up to 113
-    tokens (1017 pairs) all three phases in one program and launch, from 114 (1026) two programs."""
+    """DeepSeek-V3's 256 routed experts + 1 shared, top 8 + 1: up to 32 programs of pairs; up to 56
+    tokens (504 pairs) all three phases in one launch, from 57 (513) three launches, from 114 (1026)
+    of two programs and more."""
     from common_kernels.fp8.moe import align_by_expert
     from common_kernels.fp8.reference import align_by_expert_ref
     from tests.common_kernels.test_fp8_moe import assert_positions_invert, assert_same_runs
