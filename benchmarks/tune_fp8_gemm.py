@@ -119,7 +119,7 @@ def main():
             entry = tune_one(m, n, k, w, ws, props.multi_processor_count)
             table.setdefault(f"{n},{k}", {})[str(m)] = entry
             print(f"n={n} k={k} m={m}: {entry}", flush=True)
-        write_tuned_table(args.out, table, started)
+            write_tuned_table(args.out, table, started)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 For each shape of ``fp8_moe.SHAPES`` and each token count, every ``BLOCK_M`` (the alignment of each
 expert's run) is tried with every launch of the gate/up GEMM (``BLOCK_N``, warps, stages) under the
-default down GEMM, then every launch of the down GEMM under the best gate/up one; for runs of fewer
-than ``SWAP_BELOW_BLOCK_M`` rows each launch also as ``B A^T`` products (``SWAP_AB``); from
+default down GEMM, then every launch of the down GEMM under that ``BLOCK_M``'s best gate/up one (``search``);
+for runs of fewer than ``SWAP_BELOW_BLOCK_M`` rows each launch also as ``B A^T`` products (``SWAP_AB``); from
 ``CAPPED_FROM_TOKENS`` tokens on, some under register caps too (``maxnreg``: more programs a
 multiprocessor), and on Hopper from ``WS_FROM_TOKENS`` on the warp-specialized kernels
 (``WS_LAUNCHES``, at the run lengths they take). Each candidate's output is checked against the
@@ -90,16 +90,29 @@ def tune_one(tokens, experts, top_k, hidden, inter, w13, s13, w2, s2) -> dict:
     # in about one value in twenty, 1.5e-2 apart (results/fp8-moe-separate-act-cpu-2026-12-05.md)
     references = {separate: run(dict(DEFAULT_CONFIG, gate_up=dict(DEFAULT_CONFIG["gate_up"], SEPARATE_ACT=separate)))
                   .float() for separate in (False, True)}
-    best = dict(DEFAULT_CONFIG, us=time_config(run, DEFAULT_CONFIG, references[False]))
+    return search(tokens, lambda config: time_config(run, config,
+                                                     references[bool(config["gate_up"].get("SEPARATE_ACT"))]))
+
+
+def search(tokens: int, time_us) -> dict:
+    """The fastest launch that ``time_us(config)`` (µs, None for a launch that does not run) finds, one stage
+    at a time for each ``BLOCK_M``: gate/up under the default down, then down under this ``BLOCK_M``'s fastest
+    gate/up (not the fastest so far at another run length: SEPARATE_ACT over 128-row runs, say, must meet the
+    warp-specialized down there, which only 128-row runs take)."""
+    best = dict(DEFAULT_CONFIG, us=time_us(DEFAULT_CONFIG))
     default_us = best["us"]
     for block_m in (16, 32, 64, 128):
+        gate_up, gate_up_us = DEFAULT_CONFIG["gate_up"], None
         for stage in ("gate_up", "down"):
-            base = {"BLOCK_M": block_m, "gate_up": best["gate_up"] if stage == "down" else DEFAULT_CONFIG["gate_up"],
-                    "down": DEFAULT_CONFIG["down"]}
+            base = {"BLOCK_M": block_m, "gate_up": gate_up, "down": DEFAULT_CONFIG["down"]}
             for launch in gemm_launches(tokens, stage, block_m):
                 config = dict(base, **{stage: launch})
-                us = time_config(run, config, references[bool(config["gate_up"].get("SEPARATE_ACT"))])
-                if us is not None and us < best["us"]:
+                us = time_us(config)
+                if us is None:
+                    continue
+                if stage == "gate_up" and (gate_up_us is None or us < gate_up_us):
+                    gate_up, gate_up_us = launch, us
+                if us < best["us"]:
                     best = dict(config, us=round(us, 2))
     return dict(best, default_us=round(default_us, 2))
 
@@ -121,7 +134,7 @@ def main():
             entry = tune_one(tokens, experts, top_k, hidden, inter, w13, s13, w2, s2)
             table.setdefault(f"{experts},{hidden},{inter},{top_k}", {})[str(tokens)] = entry
             print(f"{shape} tokens={tokens}: {entry}", flush=True)
-        write_tuned_table(args.out, table, started)
+            write_tuned_table(args.out, table, started)  # each entry as it comes: a run cut short keeps them
 
 
 if __name__ == "__main__":

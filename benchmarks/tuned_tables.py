@@ -11,7 +11,7 @@ import triton
 
 def write_tuned_table(out: str, configs: dict, started: float) -> None:
     """``configs`` with the GPU, versions and seconds since ``started``, replacing ``out`` atomically:
-    rewritten after each shape, a cut-short run keeps what it tuned and readers never see half a file."""
+    rewritten as entries come, a cut-short run keeps what it tuned and readers never see half a file."""
     partial = Path(f"{out}.partial")
     partial.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                    "triton": triton.__version__, "seconds": round(time.perf_counter() - started),

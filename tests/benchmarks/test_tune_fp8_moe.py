@@ -10,6 +10,7 @@ from benchmarks.tune_fp8_moe import (
     WS_FROM_TOKENS,
     WS_LAUNCHES,
     gemm_launches,
+    search,
 )
 from common_kernels.fp8 import gemm_sm90_ws, moe_sm90_ws
 
@@ -55,3 +56,29 @@ def test_ws_launches_are_tried_on_hopper_at_the_runs_they_take(monkeypatch, capa
         assert gemm_sm90_ws.fits(dict(launch, BLOCK_M=128))
     for launch in fused:
         assert moe_sm90_ws.fits(dict(launch, BLOCK_M=64))
+
+
+def test_search_pairs_each_run_lengths_best_gate_up_with_the_down_launches(monkeypatch):
+    """Down launches are tried after the fastest gate/up of the same BLOCK_M. In this cost model SEPARATE_ACT
+    is the fastest gate/up but only with 128-row runs, where Triton's down is slow, so with the default down
+    it loses to 64-row runs; the warp-specialized down (128-row runs only) must then meet it, not the
+    64-row runs' gate/up. Launches that fail (None) are passed over."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
+
+    def fake_us(config):
+        block_m, gate_up, down = config["BLOCK_M"], config["gate_up"], config["down"]
+        if gate_up.get("maxnreg") or down.get("maxnreg"):
+            return None
+        if gate_up.get("SEPARATE_ACT"):
+            gate_us = 3.0
+        elif gate_up.get("KERNEL"):
+            gate_us = 4.0 if block_m == 64 else 4.3
+        else:
+            gate_us = 5.0
+        down_us = 1.6 if down.get("KERNEL") else 4.0 if block_m == 128 else 2.7
+        return gate_us + down_us
+
+    best = search(4096, fake_us)
+    assert best["BLOCK_M"] == 128 and best["us"] == 4.6 and best["default_us"] == 7.7
+    assert best["gate_up"].get("SEPARATE_ACT") and best["down"].get("KERNEL") == "sm90_ws"
