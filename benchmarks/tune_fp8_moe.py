@@ -3,11 +3,12 @@
 For each shape of ``fp8_moe.SHAPES`` and each token count, every ``BLOCK_M`` (the alignment of each
 expert's run) is tried with every launch of the gate/up GEMM (``BLOCK_N``, warps, stages) under the
 default down GEMM, then every launch of the down GEMM under that ``BLOCK_M``'s best gate/up one (``search``);
-for runs of fewer than ``SWAP_BELOW_BLOCK_M`` rows each launch also as ``B A^T`` products (``SWAP_AB``); from
-``CAPPED_FROM_TOKENS`` tokens on, some under register caps too (``maxnreg``: more programs a
-multiprocessor), and on Hopper from ``WS_FROM_TOKENS`` on the warp-specialized kernels
-(``WS_LAUNCHES``, at the run lengths they take). Each candidate's output is checked against the
-default launch's, and its CUDA-graph replay timed (the way engines run it; median, L2 flushed). The winners are written as the table ``common_kernels.fp8.moe`` reads
+for runs of fewer than ``SWAP_BELOW_BLOCK_M`` rows each launch also as ``B A^T`` products (``SWAP_AB``); up to
+``NARROW_UP_TO_TOKENS`` tokens, 16- and 32-wide tiles too (``NARROW_LAUNCHES``); from ``CAPPED_FROM_TOKENS``
+tokens on, some under register caps (``maxnreg``: more programs a multiprocessor), and on Hopper from
+``WS_FROM_TOKENS`` on the warp-specialized kernels (``WS_LAUNCHES``, at the run lengths they take). Each
+candidate's output is checked against the default launch's, and its CUDA-graph replay timed (the way engines
+run it; median, L2 flushed). The winners are written as the table ``common_kernels.fp8.moe`` reads
 (``configs/moe_<GPU name>.json``, or the file ``LATENTSPEED_FP8_MOE_CONFIGS`` names), with the
 time of each winner and of the default.
 
@@ -36,6 +37,13 @@ GEMM_LAUNCHES = [{"BLOCK_N": n, "num_warps": w, "num_stages": s} for n, w, s in 
 # 128 (8 warps) two, at 0-300 bytes of spills at the BLOCK_M they fit (benchmarks/hopper_compile.py's
 # "capped" moe reports).
 CAPPED_FROM_TOKENS = 1024
+# Up to this many tokens, narrow tiles too, for the gate/up GEMM's sake: a gate/up program covers BLOCK_N columns
+# of gate and of up, so at one token of DeepSeek-V3 under -tp 8 (8 experts, I = 256) 64-wide tiles make 32
+# programs for the H200's 132 SMs, 16-wide ones 128 (vLLM's H200 table takes 32-wide tiles of its [2I] product
+# there: 128 programs). Compiled for sm_90a: 70-80 registers, no spills, 18-51 KiB of shared memory at 4-6
+# stages; the CPU tests run 16- and 32-wide launches in the interpreter.
+NARROW_UP_TO_TOKENS = 64
+NARROW_LAUNCHES = [{"BLOCK_N": n, "num_warps": 4, "num_stages": s} for n, s in itertools.product((16, 32), (4, 6))]
 # The warp-specialized Hopper kernels (sm_90 only), from this many tokens on, at the run lengths they take
 # (``moe.hopper_kernel(...).fits``): gate/up on moe_sm90_ws (64-row tiles; up to 5 stages of 40 KiB fit), or
 # with SEPARATE_ACT on gemm_sm90_ws (128-row runs; bf16 products, then silu_mul_group_quant), down on
@@ -52,6 +60,8 @@ WS_LAUNCHES = {
 
 def gemm_launches(tokens: int, stage: str, block_m: int):
     yield from GEMM_LAUNCHES
+    if tokens <= NARROW_UP_TO_TOKENS:
+        yield from NARROW_LAUNCHES
     if block_m < SWAP_BELOW_BLOCK_M:
         for launch in GEMM_LAUNCHES:
             yield dict(launch, SWAP_AB=True)

@@ -6,6 +6,8 @@ import torch
 from benchmarks.tune_fp8_moe import (
     CAPPED_FROM_TOKENS,
     GEMM_LAUNCHES,
+    NARROW_LAUNCHES,
+    NARROW_UP_TO_TOKENS,
     SWAP_BELOW_BLOCK_M,
     WS_FROM_TOKENS,
     WS_LAUNCHES,
@@ -23,6 +25,17 @@ def test_register_caps_are_tried_from_many_tokens_on():
     for launch in capped:  # three programs of 4 warps a multiprocessor, or two of 8
         assert launch["BLOCK_N"] == 128 and launch["num_stages"] <= 3
         assert launch["maxnreg"] == {4: 168, 8: 128}[launch["num_warps"]]
+
+
+@pytest.mark.parametrize("stage", ["gate_up", "down"])
+def test_narrow_tiles_are_tried_at_decode_sizes(stage):
+    """16- and 32-wide tiles up to NARROW_UP_TO_TOKENS tokens (one token of DeepSeek-V3 under -tp 8: 8 experts
+    times 256 gate/up columns, 32 programs at 64-wide tiles), none beyond."""
+    assert {launch["BLOCK_N"] for launch in NARROW_LAUNCHES} == {16, 32}
+    for tokens in (1, NARROW_UP_TO_TOKENS):
+        plain = [launch for launch in gemm_launches(tokens, stage, 16) if not launch.get("SWAP_AB")]
+        assert plain == GEMM_LAUNCHES + NARROW_LAUNCHES
+    assert not any(launch["BLOCK_N"] < 64 for launch in gemm_launches(NARROW_UP_TO_TOKENS + 1, stage, 16))
 
 
 def unswapped(launches):
