@@ -3,6 +3,7 @@
 #   bash tests/gpu/run_h200.sh STEP...    steps: smoke clocks kernels ncu bench bench-small paired-check tune-gemm tune-moe tune-tp8 tune-small untuned-ab fp8-bench fp8-bench-graph moe-bench moe-ws moe-gemms producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
 #                                         bundle on PYTHONPATH), fp8-bench-sglang moe-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8 sglang-e2e-w8-fused
 #                                         sglang-ct-e2e sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
+#                                         wait-engine (until a staging call has touched /tmp/gpu-site-*/.ready),
 #                                         refmodel (train the reference model; no engine needed),
 #                                         refmodel-eval-vllm refmodel-eval-sglang (its perplexity table, that engine staged)
 # REFMODEL (default /tmp/refmodel): the reference model's directory; CHECKPOINTS: a folder of its
@@ -130,6 +131,8 @@ for step in "$@"; do
         | tee -a "$out/moe-bench-sglang.log" | tail -n 40 ;;
     wait-checkpoints)
       until [ -f "${CHECKPOINTS:?}/.complete" ]; do sleep 5; done ;;
+    wait-engine)  # steps before it need no engine: they run while the later calls stage one
+      until ls /tmp/gpu-site-*/.ready >/dev/null 2>&1; do sleep 5; done ;;
     moe-bench)
       python3 benchmarks/fp8_moe.py --out "$out/fp8_moe.json" 2>&1 | tee "$out/moe-bench.log" | tail -n 40 \
         && python3 benchmarks/fp8_moe.py --cuda-graph --out "$out/fp8_moe_graph.json" 2>&1 | tee -a "$out/moe-bench.log" | tail -n 40 ;;
