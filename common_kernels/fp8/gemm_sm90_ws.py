@@ -1,12 +1,13 @@
 """The block-scaled fp8 GEMM for Hopper (sm_90), warp-specialized: one warp copies, two warpgroups
 multiply.
 
-Same contract as ``gemm._block_scaled_gemm_kernel`` without K splits (the ``gemm`` module docstring
-has the formula): ``C [M, N] = sum_kb a_scale[:, kb] * b_scale[:, kb] * A[:, kb] B[:, kb]^T``, one
-fp32 partial per 128-wide K block, scaled before it joins the fp32 accumulator. A tuned table
-selects it per shape with ``"KERNEL": "sm90_ws"``. Grouped by expert (``GROUPED``, the kernel's
-docstring) it is also the fused MoE's second GEMM (``moe._moe_down_sm90_ws``; on the H200 1.05-1.14x
-DeepGEMM's grouped GEMM, ``benchmarks/results/fp8-moe-ws-2026-12-05.md``).
+Same contract as ``gemm._block_scaled_gemm_kernel`` (the ``gemm`` module docstring has the formula):
+``C [M, N] = sum_kb a_scale[:, kb] * b_scale[:, kb] * A[:, kb] B[:, kb]^T``, one fp32 partial per 128-wide
+K block, scaled before it joins the fp32 accumulator; with ``SPLIT_K`` > 1 (not grouped) each split's fp32
+partial ``[M, N]``, which ``gemm`` sums. A tuned table selects it per shape with ``"KERNEL": "sm90_ws"``.
+Grouped by expert (``GROUPED``, the kernel's docstring) it is also the fused MoE's second GEMM
+(``moe._grouped_gemm_sm90_ws``; on the H200 1.07-1.16x DeepGEMM's grouped GEMM,
+``benchmarks/results/fp8-h200-2026-12-05.md``) and, with ``SEPARATE_ACT``, its first one's products.
 
 Why a third kernel: the Triton kernel and ``gemm_sm90`` stop at 620-760 TFLOP/s on the H200 where
 DeepGEMM reaches 1200-1330 (``benchmarks/notes.md``). ncu put 20 % of the Triton kernel's stall
