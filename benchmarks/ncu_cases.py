@@ -7,7 +7,9 @@ records that launch only. The cases print in order, one line each, to match ncu'
         gemm:4096:7168:2048
 
 Cases: ``decode:CACHE:HEADS:Q_LEN:CTX[:BATCH]`` (batch 128 unless given, ``benchmarks.mla_decode``'s
-inputs and plan) and ``gemm:M:N:K`` (``block_scaled_gemm`` with its tuned config, E4M3 operands).
+inputs and plan), ``gemm:M:N:K`` (``block_scaled_gemm`` with its tuned config, E4M3 operands) and
+``silu:ROWS:HALF`` (``silu_mul_group_quant`` of a bf16 ``[ROWS, 2 * HALF]``, as after SEPARATE_ACT's products
+or a dense MLP's gate/up: ``silu:48128:2048``, ``silu:16384:9216``).
 """
 
 import argparse
@@ -16,7 +18,12 @@ import torch
 
 from benchmarks.mla_decode import make_inputs, ours
 from benchmarks.mla_decode_splits import DTYPES
-from common_kernels.fp8 import block_scaled_gemm, quantize_per_token_group, quantize_weight_blocks
+from common_kernels.fp8 import (
+    block_scaled_gemm,
+    quantize_per_token_group,
+    quantize_weight_blocks,
+    silu_mul_group_quant,
+)
 
 BATCH = 128
 
@@ -32,7 +39,12 @@ def gemm_case(m: str, n: str, k: str):
     return lambda: block_scaled_gemm(a, a_scale, b, b_scale)
 
 
-CASES = {"decode": decode_case, "gemm": gemm_case}
+def silu_case(rows: str, half: str):
+    x = torch.randn(int(rows), 2 * int(half), device="cuda", dtype=torch.bfloat16) * 4
+    return lambda: silu_mul_group_quant(x)
+
+
+CASES = {"decode": decode_case, "gemm": gemm_case, "silu": silu_case}
 
 
 def main() -> None:

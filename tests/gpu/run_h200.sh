@@ -45,7 +45,7 @@ for step in "$@"; do
       # metrics and per-SASS-instruction stall samples, packed into ncu.tgz (NCU_CASES overrides the cases)
       cases=${NCU_CASES:-decode:e4m3:16:1:32768 decode:bf16:16:1:32768 decode:e4m3:16:2:32768 decode:e4m3:128:1:4096 decode:bf16:128:1:4096 gemm:4096:7168:2048}
       ncu --profile-from-start off --clock-control none --set full --import-source no \
-        -k 'regex:mla_decode_split_kernel|gemm_kernel|gemm_sm90' -f -o /tmp/ncu-prof \
+        -k 'regex:mla_decode_split_kernel|gemm_kernel|gemm_sm90|silu_mul_group_quant' -f -o /tmp/ncu-prof \
         python3 -m benchmarks.ncu_cases $cases 2>&1 | tail -n 20 | tee "$out/ncu.log"
       mkdir -p /tmp/ncu-out/src && echo "$cases" > /tmp/ncu-out/cases.txt
       ncu --import /tmp/ncu-prof.ncu-rep --page details > /tmp/ncu-out/details.txt 2>&1
