@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8_format import FP8_DTYPES, fp8_grid
+from ..fp8_format import FP8_DTYPES, fp8_finite_max
 from . import gemm_sm90_ws, moe_sm90_ws
 from .gemm import SCALE_BLOCK, aligned_rows, e4m3_operands, nearest_tuned, require_sm90, tuned_table
 from .moe_sm90_ws import silu_gate
@@ -269,8 +269,8 @@ def _moe_gemm_kernel(
     stride_csm, eps,
     ROWS_PER_A: tl.constexpr, A_SORTED: tl.constexpr, GATED: tl.constexpr, APPLY_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    QUANT_OUT: tl.constexpr, MID_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
-    MIN_EXP: tl.constexpr, TRACK_STATS: tl.constexpr, ONE_SCALE: tl.constexpr, SWAP_AB: tl.constexpr,
+    QUANT_OUT: tl.constexpr, MID_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, TRACK_STATS: tl.constexpr,
+    ONE_SCALE: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """One ``BLOCK_M`` run of one expert times a ``BLOCK_N`` slice of its weights, stored at the
     run's sorted rows; ``GATED``, padding rows too (as zeros: their A rows load as zeros). A's row of
@@ -326,8 +326,7 @@ def _moe_gemm_kernel(
     mask_c = ((sorted_row >= 0) if GATED else mask_m)[:, None] & mask_n[None, :]
     if QUANT_OUT:  # as x's dtype would hold it, then quantize_per_token_group's arithmetic
         h = acc.to(MID_DTYPE).to(tl.float32)
-        y, scale = quantize_groups(tl.reshape(h, [BLOCK_M, BLOCK_N // BLOCK_K, BLOCK_K]), eps, FP8_MAX, MANT_BITS,
-                                   MIN_EXP, False)
+        y, scale = quantize_groups(tl.reshape(h, [BLOCK_M, BLOCK_N // BLOCK_K, BLOCK_K]), eps, FP8_MAX, False)
         tl.store(c, tl.reshape(y, [BLOCK_M, BLOCK_N]).to(c_ptr.dtype.element_ty), mask=mask_c)
         groups = pid_n * (BLOCK_N // BLOCK_K) + tl.arange(0, BLOCK_N // BLOCK_K)
         tl.store(c_scale_ptr + sorted_row[:, None] * stride_csm + groups[None, :],
@@ -377,7 +376,7 @@ def _moe_gemm(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pairs, weights,
         return
     n, k = out.shape[1], b.shape[2]
     quant_out = out_scale is not None
-    mant_bits, min_exp, fp8_max = fp8_grid(out.dtype) if quant_out else (0, 0, 0.0)
+    fp8_max = fp8_finite_max(out.dtype) if quant_out else 0.0
     blocks = runs.block_expert.shape[0]
     # Runs are contiguous from block 0 and every run holds at least one of the pairs, so no later
     # block has work: with few tokens this skips most of the padding blocks.
@@ -389,7 +388,7 @@ def _moe_gemm(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pairs, weights,
         QUANT_EPS, ROWS_PER_A=top_k or 1, A_SORTED=top_k is None, GATED=gated, APPLY_WEIGHT=apply_weight,
         BLOCK_M=runs.sorted_ids.shape[0] // blocks, BLOCK_N=launch["BLOCK_N"], BLOCK_K=SCALE_BLOCK,
         QUANT_OUT=quant_out, MID_DTYPE=_TL_DTYPES[mid_dtype] if quant_out else tl.float32, FP8_MAX=fp8_max,
-        MANT_BITS=mant_bits, MIN_EXP=min_exp, TRACK_STATS=quant_out and stats is not None,
+        TRACK_STATS=quant_out and stats is not None,
         # 128-column tiles of 128-aligned gate and up halves: one weight scale a K block (as gemm.py)
         ONE_SCALE=launch["BLOCK_N"] == SCALE_BLOCK and n % SCALE_BLOCK == 0, SWAP_AB=launch.get("SWAP_AB", False),
         num_warps=launch["num_warps"], num_stages=launch["num_stages"],
@@ -440,14 +439,14 @@ def _moe_gate_up_sm90_ws(a, a_scale, w13, w13_scale, h, h_scale, runs: ExpertRun
                          f"multiple of {SCALE_BLOCK} (each tile's gate and up columns in one weight block), got "
                          f"W13 {tuple(w13.shape)} with strides {w13.stride()}")
     require_sm90(moe_sm90_ws, dict(launch, BLOCK_M=block_m), a, w13[0])
-    mant_bits, min_exp, fp8_max = fp8_grid(h.dtype)
+    fp8_max = fp8_finite_max(h.dtype)
     grid = gemm_sm90_ws.grid(h.shape[0], two_i // 2, moe_sm90_ws.BLOCK_N.value, a.device, moe_sm90_ws.ROWS.value)
     moe_sm90_ws.moe_gate_up_kernel_sm90_ws[grid](
         *moe_sm90_ws.descriptors(a, w13), a_scale, w13_scale, h, h_scale, stats if stats is not None else a_scale,
         runs.used_rows, runs.sorted_ids, runs.block_expert, num_pairs, two_i // 2, hidden, a_scale.stride(0),
         w13_scale.stride(0), w13_scale.stride(1), h.stride(0), h_scale.stride(0), QUANT_EPS, RUN_ROWS=block_m,
         GROUP_M=launch.get("GROUP_M", 8), NUM_STAGES=launch["num_stages"], MID_DTYPE=_TL_DTYPES[mid_dtype],
-        FP8_MAX=fp8_max, MANT_BITS=mant_bits, MIN_EXP=min_exp, TRACK_STATS=stats is not None,
+        FP8_MAX=fp8_max, TRACK_STATS=stats is not None,
         num_warps=launch["num_warps"], maxnreg=gemm_sm90_ws.MAXNREG,
     )
 
@@ -455,13 +454,13 @@ def _moe_gate_up_sm90_ws(a, a_scale, w13, w13_scale, h, h_scale, runs: ExpertRun
 @triton.jit
 def _quantize_to_sorted_rows_kernel(
     x_ptr, position_ptr, q_ptr, scale_ptr, stats_ptr, tokens, hidden, num_rows, stride_x, stride_q, stride_s, eps,
-    TOP_K: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
-    MIN_EXP: tl.constexpr, TRACK_STATS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    TOP_K: tl.constexpr, GROUP: tl.constexpr, FP8_MAX: tl.constexpr, TRACK_STATS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
 ):
     """One group of ``BLOCK_ROWS`` tokens quantized once, stored at each of their pairs' sorted rows."""
     rows, group, offs, mask = group_tile(tokens, hidden, GROUP, BLOCK_ROWS)
     x = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    y, scale = quantize_groups(x, eps, FP8_MAX, MANT_BITS, MIN_EXP, False)
+    y, scale = quantize_groups(x, eps, FP8_MAX, False)
     y = y.to(q_ptr.dtype.element_ty)
     for j in tl.static_range(TOP_K):
         dest = tl.load(position_ptr + rows * TOP_K + j, mask=rows < tokens, other=num_rows).to(tl.int64)
@@ -481,12 +480,12 @@ def quantize_to_sorted_rows(x: torch.Tensor, runs: ExpertRuns, top_k: int, stats
     rows, groups = runs.sorted_ids.shape[0], triton.cdiv(hidden, SCALE_BLOCK)
     q = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
-    mant_bits, min_exp, fp8_max = fp8_grid(q.dtype)
+    fp8_max = fp8_finite_max(q.dtype)
     block_rows = min(GROUP_BLOCK_ROWS, triton.next_power_of_2(tokens))
     _quantize_to_sorted_rows_kernel[(triton.cdiv(tokens, block_rows), groups)](
         x, runs.position, q, scales, stats if stats is not None else scales, tokens, hidden, rows, x.stride(0),
         q.stride(0), scales.stride(0), QUANT_EPS, TOP_K=top_k, GROUP=SCALE_BLOCK, FP8_MAX=fp8_max,
-        MANT_BITS=mant_bits, MIN_EXP=min_exp, TRACK_STATS=stats is not None, BLOCK_ROWS=block_rows,
+        TRACK_STATS=stats is not None, BLOCK_ROWS=block_rows,
     )
     return q, scales
 

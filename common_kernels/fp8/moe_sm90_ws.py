@@ -219,13 +219,13 @@ def _store_quantized(gate, up, exchange, out, sorted_ids_ptr, num_pairs, pid_m, 
     mbarrier.wait(amax_ready, t & 1)
     other = amax_bufs.index(t % 2 * 2 + 1 - WG).load(gl.SliceLayout(1, mma))
     scale = scale_of(max_nan(amax, other), eps, FP8_MAX, False)
-    y = quantize_by_scale(h, scale[:, None], FP8_MAX, QUANT[2], QUANT[3])
+    y = quantize_by_scale(h, scale[:, None], FP8_MAX)
     mask_cols = (cols < inter)[None, :]
     gl.store(h_ptr + rows.to(gl.int64)[:, None] * stride_hm + cols[None, :], y.to(h_ptr.dtype.element_ty),
              mask=mask_cols)
     if WG == 0:
         gl.store(h_scale_ptr + rows.to(gl.int64) * stride_hsm + pid_n, scale)
-    if QUANT[4]:  # the guard's non-finite count, real rows only
+    if QUANT[2]:  # the guard's non-finite count, real rows only
         gl.atomic_add(stats_ptr + 1, count_nonfinite(h, real[:, None] & mask_cols))
 
 
@@ -234,7 +234,7 @@ def _consumer(ring, ready, empty, exchange, scales, out, sorted_ids_ptr, block_e
               k_blocks, WG: gl.constexpr, RUN_ROWS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
               QUANT: gl.constexpr):
     """Consumer warpgroup ``WG``: its 64 gate and up columns of each of this program's tiles.
-    ``QUANT``: ``(MID_DTYPE, FP8_MAX, MANT_BITS, MIN_EXP, TRACK_STATS)``."""
+    ``QUANT``: ``(MID_DTYPE, FP8_MAX, TRACK_STATS)``."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
     it = 0
     t = 0
@@ -252,7 +252,7 @@ def moe_gate_up_kernel_sm90_ws(
     a_desc, w_desc, a_scale_ptr, w_scale_ptr, h_ptr, h_scale_ptr, stats_ptr, rows_in_use_ptr, sorted_ids_ptr,
     block_expert_ptr, num_pairs, inter, K, stride_asm, stride_wse, stride_wsn, stride_hm, stride_hsm, eps,
     RUN_ROWS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, MID_DTYPE: gl.constexpr,
-    FP8_MAX: gl.constexpr, MANT_BITS: gl.constexpr, MIN_EXP: gl.constexpr, TRACK_STATS: gl.constexpr,
+    FP8_MAX: gl.constexpr, TRACK_STATS: gl.constexpr,
 ):
     """Persistent: program ``p`` of ``P`` takes the tiles ``p, p + P, ...`` of the ``rows_in_use[0]``
     sorted rows by ``inter`` columns (``grouped_tile`` order). ``a_desc``: ``[64, 128]`` boxes over the
@@ -276,7 +276,7 @@ def moe_gate_up_kernel_sm90_ws(
     exchange = (amax_bufs, amax_ready)
     scales = (a_scale_ptr, stride_asm, w_scale_ptr, stride_wse, stride_wsn)
     out = (h_ptr, stride_hm, h_scale_ptr, stride_hsm, stats_ptr, eps)
-    QUANT: gl.constexpr = (MID_DTYPE, FP8_MAX, MANT_BITS, MIN_EXP, TRACK_STATS)
+    QUANT: gl.constexpr = (MID_DTYPE, FP8_MAX, TRACK_STATS)
     gl.warp_specialize([
         (_consumer, (ring, ready, empty, exchange, scales, out, sorted_ids_ptr, block_expert_ptr, M, num_pairs,
                      inter, k_blocks, 0, RUN_ROWS, GROUP_M, NUM_STAGES, QUANT)),

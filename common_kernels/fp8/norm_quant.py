@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8_format import fp8_grid
+from ..fp8_format import fp8_finite_max
 from .quant import QUANT_EPS, check_group_format, count_nonfinite, quantize_groups
 
 MAX_COLS = 16384  # a row is one program's registers: DeepSeek-V3's 7168 and its 1536-wide q_a_layernorm fit
@@ -28,7 +28,7 @@ def _rms_norm_group_quant_kernel(
     x_ptr, residual_ptr, residual_out_ptr, weight_ptr, q_ptr, scale_ptr, stats_ptr,
     num_cols, stride_x, stride_r, stride_ro, stride_q, stride_s, eps, quant_eps,
     HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, FP8_MAX: tl.constexpr,
-    MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, POW2_SCALE: tl.constexpr, TRACK_STATS: tl.constexpr,
+    POW2_SCALE: tl.constexpr, TRACK_STATS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     # the row as [NUM_GROUPS, GROUP] from the start: a 1-D row reshaped into groups takes a layout
@@ -46,7 +46,7 @@ def _rms_norm_group_quant_kernel(
     # is the 16-bit multiply's result
     n = (z * inv_rms).to(weight.dtype).to(tl.float32)
     y = (n * weight.to(tl.float32)).to(weight.dtype).to(tl.float32)
-    values, scale = quantize_groups(y, quant_eps, FP8_MAX, MANT_BITS, MIN_EXP, POW2_SCALE)
+    values, scale = quantize_groups(y, quant_eps, FP8_MAX, POW2_SCALE)
     tl.store(q_ptr + row * stride_q + offs, values.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * stride_s + group, scale, mask=group * GROUP < num_cols)
     if TRACK_STATS:
@@ -99,14 +99,14 @@ def rms_norm_group_quant(
     scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
     residual_out = torch.empty_like(x) if residual is not None else None
     if rows and cols:
-        mant_bits, min_exp, fp8_max = fp8_grid(fp8_dtype)
+        fp8_max = fp8_finite_max(fp8_dtype)
         num_groups = triton.next_power_of_2(groups)
         _rms_norm_group_quant_kernel[(rows,)](
             x, residual if residual is not None else x, residual_out if residual is not None else x,
             weight.contiguous(), q, scales, stats if stats is not None else scales, cols, x.stride(0),
             residual.stride(0) if residual is not None else 0, residual_out.stride(0) if residual is not None else 0,
             q.stride(0), scales.stride(0), eps, QUANT_EPS, HAS_RESIDUAL=residual is not None, GROUP=group_size,
-            NUM_GROUPS=num_groups, FP8_MAX=fp8_max, MANT_BITS=mant_bits, MIN_EXP=min_exp, POW2_SCALE=pow2_scale,
+            NUM_GROUPS=num_groups, FP8_MAX=fp8_max, POW2_SCALE=pow2_scale,
             TRACK_STATS=stats is not None, num_warps=_num_warps(rows, num_groups * group_size),
         )
     return q, scales, residual_out

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8_format import FP8_DTYPES, fp8_grid, round_to_fp8_grid
+from ..fp8_format import FP8_DTYPES, fp8_finite_max
 
 
 QUANT_EPS = 1e-10  # the default floor of a group's absolute maximum
@@ -50,19 +50,26 @@ def group_amax(x):
 
 
 @triton.jit
-def quantize_by_scale(x, scale, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
-    """``x / scale`` (fp32, correctly rounded: Triton's `/` is approximate on GPUs), clamped to the fp8
-    range and rounded to the fp8 grid, in fp32."""
-    return round_to_fp8_grid(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX), MANT_BITS, MIN_EXP)
+def quantize_by_scale(x, scale, FP8_MAX: tl.constexpr):
+    """``x / scale`` in fp32, clamped to the fp8 range; the cast that stores it rounds to the fp8 grid.
+
+    One division a scale, not a value (Triton's `/` is approximate on GPUs, ``div_rn`` costs about
+    ten instructions): the product with the correctly rounded reciprocal, corrected by one fused
+    step, is the correctly rounded quotient wherever that is a normal fp32 number (Markstein's
+    theorem); below that every fp8 format rounds it to zero anyway. An infinite scale gives
+    ``x * 0``, as ``x / inf`` does."""
+    inv = tl.math.div_rn(1.0, scale)
+    q = x * inv
+    q = tl.where(inv != 0, tl.math.fma(tl.math.fma(-q, scale, x), inv, q), q)
+    return tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
 
 
 @triton.jit
-def quantize_groups(x, eps, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
-                    POW2_SCALE: tl.constexpr):
-    """``x`` (fp32) quantized per group along its last axis: ``(values on the fp8 grid in fp32,
-    scales)``, the scales with the last axis kept as 1; bit-equal to the reference."""
+def quantize_groups(x, eps, FP8_MAX: tl.constexpr, POW2_SCALE: tl.constexpr):
+    """``x`` (fp32) quantized per group along its last axis: ``(values in fp32 that the fp8 cast
+    makes bit-equal to the reference, scales)``, the scales with the last axis kept as 1."""
     scale = scale_of(group_amax(x), eps, FP8_MAX, POW2_SCALE)
-    return quantize_by_scale(x, scale, FP8_MAX, MANT_BITS, MIN_EXP), scale
+    return quantize_by_scale(x, scale, FP8_MAX), scale
 
 
 @triton.jit
@@ -98,12 +105,11 @@ def group_tile(num_rows, num_cols, GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr
 
 @triton.jit
 def store_quantized_groups(x, rows, offs, mask, group, num_rows, q_ptr, scale_ptr, stats_ptr, stride_q, stride_s, eps,
-                           FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
-                           POW2_SCALE: tl.constexpr, TRACK_STATS: tl.constexpr):
+                           FP8_MAX: tl.constexpr, POW2_SCALE: tl.constexpr, TRACK_STATS: tl.constexpr):
     """``x [BLOCK_ROWS, GROUP]`` (fp32; ``rows``, column offsets ``offs``, ``mask``) quantized as one
     group per row, its values and the rows' scales (column ``group``) stored, its non-finite values
     counted into ``stats[1]``."""
-    y, scale = quantize_groups(x, eps, FP8_MAX, MANT_BITS, MIN_EXP, POW2_SCALE)  # scale [BLOCK_ROWS, 1]
+    y, scale = quantize_groups(x, eps, FP8_MAX, POW2_SCALE)  # scale [BLOCK_ROWS, 1]
     tl.store(q_ptr + rows[:, None] * stride_q + offs[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + rows[:, None] * stride_s + group, scale, mask=(rows < num_rows)[:, None])
     if TRACK_STATS:
@@ -124,8 +130,6 @@ def _group_quant_kernel(
     eps,
     GROUP: tl.constexpr,
     FP8_MAX: tl.constexpr,
-    MANT_BITS: tl.constexpr,
-    MIN_EXP: tl.constexpr,
     POW2_SCALE: tl.constexpr,
     TRACK_STATS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -139,7 +143,7 @@ def _group_quant_kernel(
     rows, group, offs, mask = group_tile(num_rows, num_cols, GROUP, BLOCK_ROWS)
     x = tl.load(x_ptr + rows[:, None] * stride_x_m + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     store_quantized_groups(x, rows, offs, mask, group, num_rows, q_ptr, scale_ptr, stats_ptr, stride_q_m, stride_s_m,
-                           eps, FP8_MAX, MANT_BITS, MIN_EXP, POW2_SCALE, TRACK_STATS)
+                           eps, FP8_MAX, POW2_SCALE, TRACK_STATS)
 
 
 def quantize_per_token_group(
@@ -176,12 +180,12 @@ def quantize_per_token_group(
     q = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
     scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
     if rows and cols:
-        mant_bits, min_exp, fp8_max = fp8_grid(fp8_dtype)
+        fp8_max = fp8_finite_max(fp8_dtype)
         block_rows = min(GROUP_BLOCK_ROWS, triton.next_power_of_2(rows))
         _group_quant_kernel[(triton.cdiv(rows, block_rows), groups)](
             x, q, scales, stats if stats is not None else scales, rows, cols, x.stride(0), q.stride(0),
-            scales.stride(0), eps, GROUP=group_size, FP8_MAX=fp8_max, MANT_BITS=mant_bits, MIN_EXP=min_exp,
-            POW2_SCALE=pow2_scale, TRACK_STATS=stats is not None, BLOCK_ROWS=block_rows, rows_limit_ptr=rows_limit,
+            scales.stride(0), eps, GROUP=group_size, FP8_MAX=fp8_max, POW2_SCALE=pow2_scale,
+            TRACK_STATS=stats is not None, BLOCK_ROWS=block_rows, rows_limit_ptr=rows_limit,
         )
     return q, scales
 
@@ -189,7 +193,7 @@ def quantize_per_token_group(
 @triton.jit
 def _token_quant_kernel(
     x_ptr, q_ptr, scale_ptr, stats_ptr, num_cols, stride_x_m, stride_q_m, eps,
-    BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+    BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
     POW2_SCALE: tl.constexpr, TRACK_STATS: tl.constexpr,
 ):
     """One row: its absolute maximum over ``BLOCK``-wide chunks, then the chunks quantized."""
@@ -205,7 +209,7 @@ def _token_quant_kernel(
     for start in range(0, num_cols, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x_m + offs, mask=offs < num_cols, other=0.0).to(tl.float32)
-        y = round_to_fp8_grid(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX), MANT_BITS, MIN_EXP)
+        y = quantize_by_scale(x, scale, FP8_MAX)
         tl.store(q_ptr + row * stride_q_m + offs, y.to(q_ptr.dtype.element_ty), mask=offs < num_cols)
     tl.store(scale_ptr + row, scale)
     if TRACK_STATS:
@@ -233,11 +237,11 @@ def quantize_per_token(
     q = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
     scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows and cols:
-        mant_bits, min_exp, fp8_max = fp8_grid(fp8_dtype)
+        fp8_max = fp8_finite_max(fp8_dtype)
         _token_quant_kernel[(rows,)](
             x, q, scales, stats if stats is not None else scales, cols, x.stride(0), q.stride(0), eps,
-            BLOCK=min(1024, triton.next_power_of_2(cols)), FP8_MAX=fp8_max, MANT_BITS=mant_bits, MIN_EXP=min_exp,
-            POW2_SCALE=pow2_scale, TRACK_STATS=stats is not None,
+            BLOCK=min(1024, triton.next_power_of_2(cols)), FP8_MAX=fp8_max, POW2_SCALE=pow2_scale,
+            TRACK_STATS=stats is not None,
         )
     return q, scales
 
@@ -245,7 +249,7 @@ def quantize_per_token(
 @triton.jit
 def _weight_block_quant_kernel(
     w_ptr, q_ptr, scale_ptr, stats_ptr, num_rows, num_cols, stride_w, stride_q, stride_s, eps,
-    BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+    BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
     TRACK_STATS: tl.constexpr,
 ):
     block_n = tl.program_id(0)
@@ -255,7 +259,7 @@ def _weight_block_quant_kernel(
     mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
     w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = scale_of(tl.reduce(tl.reduce(tl.abs(w), 1, max_nan), 0, max_nan), eps, FP8_MAX, False)
-    y = round_to_fp8_grid(tl.minimum(tl.maximum(tl.math.div_rn(w, scale), -FP8_MAX), FP8_MAX), MANT_BITS, MIN_EXP)
+    y = quantize_by_scale(w, scale, FP8_MAX)
     tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + block_n * stride_s + block_k, scale)
     if TRACK_STATS:
@@ -279,7 +283,7 @@ def quantize_weight_blocks(
         raise ValueError(f"w must be a 2-D weight with a contiguous last dim, got {tuple(w.shape)}")
     if block < 16 or block & (block - 1):
         raise ValueError(f"block {block} is not supported: a power of two >= 16 is")
-    mant_bits, min_exp, fp8_max = fp8_grid(fp8_dtype)
+    fp8_max = fp8_finite_max(fp8_dtype)
     rows, cols = w.shape
     grid = (triton.cdiv(rows, block), triton.cdiv(cols, block))
     q = torch.empty(rows, cols, dtype=fp8_dtype, device=w.device)
@@ -287,7 +291,6 @@ def quantize_weight_blocks(
     if rows and cols:
         _weight_block_quant_kernel[grid](
             w, q, scales, stats if stats is not None else scales, rows, cols, w.stride(0), q.stride(0),
-            scales.stride(0), eps, BLOCK=block, FP8_MAX=fp8_max, MANT_BITS=mant_bits, MIN_EXP=min_exp,
-            TRACK_STATS=stats is not None,
+            scales.stride(0), eps, BLOCK=block, FP8_MAX=fp8_max, TRACK_STATS=stats is not None,
         )
     return q, scales

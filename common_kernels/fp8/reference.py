@@ -2,13 +2,13 @@
 
 import torch
 
-from ..fp8_format import fp8_grid
+from ..fp8_format import fp8_finite_max
 
 
 def quantize_per_token_group_ref(x: torch.Tensor, group_size: int = 128, fp8_dtype=torch.float8_e4m3fn,
                                  pow2_scale: bool = False, eps: float = 1e-10):
     """Same contract as ``quantize_per_token_group``."""
-    _, _, fp8_max = fp8_grid(fp8_dtype)
+    fp8_max = fp8_finite_max(fp8_dtype)
     rows, cols = x.shape
     groups = -(-cols // group_size)
     padded = torch.nn.functional.pad(x.float(), (0, groups * group_size - cols)).view(rows, groups, group_size)
@@ -41,7 +41,7 @@ def dequantize_weight_blocks_ref(q: torch.Tensor, scales: torch.Tensor, block: i
 
 def quantize_weight_blocks_ref(w: torch.Tensor, fp8_dtype=torch.float8_e4m3fn, block: int = 128):
     """Same contract as ``quantize_weight_blocks``."""
-    _, _, fp8_max = fp8_grid(fp8_dtype)
+    fp8_max = fp8_finite_max(fp8_dtype)
     n, k = w.shape
     nb, kb = -(-n // block), -(-k // block)
     padded = torch.nn.functional.pad(w.float(), (0, kb * block - k, 0, nb * block - n))

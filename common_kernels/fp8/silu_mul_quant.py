@@ -6,9 +6,10 @@ For row ``m`` of ``x [M, 2 * D]`` (gate columns ``[0, D)``, up columns ``[D, 2 *
     y[m] = dtype(dtype(silu(gate[m])) * up[m])          (vLLM's SiluAndMul, rounded as it is)
     q, s = quantize_per_token_group(y, group_size)      (same formula and rounding)
 
-with ``silu(g) = g / (1 + exp(-g))`` in fp32. A program reads ``BLOCK_ROWS`` rows of one group of
-gate and up columns and writes only the fp8 values and their scales: the activated bf16 rows never
-go to memory. Non-finite values of ``y`` are counted into ``stats[1]`` as the group quantizer
+with ``silu(g) = g / (1 + exp(-g))`` in fp32, through Triton's ``exp`` and ``/`` (both within a few
+fp32 ulps on GPUs: a value near a rounding boundary can take the neighbouring 16-bit number). A
+program reads ``BLOCK_ROWS`` rows of one group of gate and up columns and writes only the fp8 values
+and their scales: the activated bf16 rows never go to memory. Non-finite values of ``y`` are counted into ``stats[1]`` as the group quantizer
 counts its inputs.
 
 Over the fused MoE's sorted rows (``moe.ExpertRuns``: the gate/up product of a grouped GEMM), rows
@@ -20,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8_format import fp8_grid
+from ..fp8_format import fp8_finite_max
 from .quant import (
     GROUP_BLOCK_ROWS,
     QUANT_EPS,
@@ -34,7 +35,7 @@ from .quant import (
 @triton.jit
 def _silu_mul_group_quant_kernel(
     x_ptr, q_ptr, scale_ptr, stats_ptr, num_rows, half, stride_x, stride_q, stride_s, quant_eps,
-    GROUP: tl.constexpr, FP8_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+    GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
     POW2_SCALE: tl.constexpr, TRACK_STATS: tl.constexpr, BLOCK_ROWS: tl.constexpr,
     rows_limit_ptr=None, pair_ids_ptr=None, num_pairs=0,
 ):
@@ -45,14 +46,14 @@ def _silu_mul_group_quant_kernel(
     gate = tl.load(gate_ptrs, mask=mask, other=0.0)
     up = tl.load(gate_ptrs + half, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    silu = tl.math.div_rn(g, 1.0 + tl.exp(-g)).to(gate.dtype).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
     # the fp32 product of two 16-bit floats is exact: one rounding after it is the 16-bit multiply
     y = (silu * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
     if pair_ids_ptr is not None:  # padding rows: zeros, whatever x holds there
         real = tl.load(pair_ids_ptr + rows, mask=rows < num_rows, other=num_pairs) < num_pairs
         y = tl.where(real[:, None], y, 0.0)
     store_quantized_groups(y, rows, offs, mask, group, num_rows, q_ptr, scale_ptr, stats_ptr, stride_q, stride_s,
-                           quant_eps, FP8_MAX, MANT_BITS, MIN_EXP, POW2_SCALE, TRACK_STATS)
+                           quant_eps, FP8_MAX, POW2_SCALE, TRACK_STATS)
 
 
 def silu_mul_group_quant(
@@ -89,12 +90,12 @@ def silu_mul_group_quant(
     q = torch.empty(rows, half, dtype=fp8_dtype, device=x.device)
     scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
     if rows and half:
-        mant_bits, min_exp, fp8_max = fp8_grid(fp8_dtype)
+        fp8_max = fp8_finite_max(fp8_dtype)
         block_rows = min(GROUP_BLOCK_ROWS, triton.next_power_of_2(rows))
         _silu_mul_group_quant_kernel[(triton.cdiv(rows, block_rows), groups)](
             x, q, scales, stats if stats is not None else scales, rows, half, x.stride(0), q.stride(0),
-            scales.stride(0), QUANT_EPS, GROUP=group_size, FP8_MAX=fp8_max, MANT_BITS=mant_bits,
-            MIN_EXP=min_exp, POW2_SCALE=pow2_scale, TRACK_STATS=stats is not None, BLOCK_ROWS=block_rows,
+            scales.stride(0), QUANT_EPS, GROUP=group_size, FP8_MAX=fp8_max, POW2_SCALE=pow2_scale,
+            TRACK_STATS=stats is not None, BLOCK_ROWS=block_rows,
             rows_limit_ptr=rows_limit, pair_ids_ptr=None if pair_ids is None else pair_ids[0],
             num_pairs=0 if pair_ids is None else pair_ids[1],
         )

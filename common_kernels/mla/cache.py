@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8_format import FP8_DTYPES, fp8_grid, round_to_fp8_grid
+from ..fp8_format import FP8_DTYPES, fp8_finite_max
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -36,8 +36,6 @@ def _write_latent_cache_kernel(
     D_ROPE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     IS_FP8: tl.constexpr,
-    FP8_MANT_BITS: tl.constexpr,
-    FP8_MIN_EXP: tl.constexpr,
     FP8_MAX: tl.constexpr,
     TRACK_STATS: tl.constexpr,
 ):
@@ -62,9 +60,9 @@ def _write_latent_cache_kernel(
             saturated += tl.sum(((tl.abs(k_pe) > FP8_MAX) & (tl.abs(k_pe) != float("inf"))).to(tl.int32), 0)
             tl.atomic_add(stats_ptr, saturated, mask=valid)
             tl.atomic_add(stats_ptr + 1, nonfinite, mask=valid)
-        # Clamp (E4M3 has no infinity), then round in fp32 so that the cast is exact.
-        kv_c = round_to_fp8_grid(tl.minimum(tl.maximum(kv_c, -FP8_MAX), FP8_MAX), FP8_MANT_BITS, FP8_MIN_EXP)
-        k_pe = round_to_fp8_grid(tl.minimum(tl.maximum(k_pe, -FP8_MAX), FP8_MAX), FP8_MANT_BITS, FP8_MIN_EXP)
+        # Clamp (E4M3 has no infinity); the cast rounds to nearest even.
+        kv_c = tl.minimum(tl.maximum(kv_c, -FP8_MAX), FP8_MAX)
+        k_pe = tl.minimum(tl.maximum(k_pe, -FP8_MAX), FP8_MAX)
     tl.store(row + offs_c, kv_c.to(cache_ptr.dtype.element_ty), mask=valid)
     tl.store(row + D_LATENT + offs_pe, k_pe.to(cache_ptr.dtype.element_ty), mask=valid)
 
@@ -126,7 +124,7 @@ def write_latent_cache(
     if num_tokens == 0:
         return
     scale = kv_scale if kv_scale is not None else kv_c.new_ones(1, dtype=torch.float32)
-    mant_bits, min_exp, fp8_max = fp8_grid(kv_cache.dtype) if is_fp8 else (0, 0, 0.0)
+    fp8_max = fp8_finite_max(kv_cache.dtype) if is_fp8 else 0.0
     _write_latent_cache_kernel[(num_tokens,)](
         kv_c,
         k_pe,
@@ -142,8 +140,6 @@ def write_latent_cache(
         D_ROPE=d_rope,
         PAGE_SIZE=kv_cache.shape[1],
         IS_FP8=is_fp8,
-        FP8_MANT_BITS=mant_bits,
-        FP8_MIN_EXP=min_exp,
         FP8_MAX=fp8_max,
         TRACK_STATS=is_fp8 and stats is not None,
     )

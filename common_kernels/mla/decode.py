@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8_format import FP8_DTYPES, round_to_fp8_grid
+from ..fp8_format import FP8_DTYPES
 from . import decode_sm90_narrow, decode_sm90_seesaw
 from .cache import HALF_DTYPES
 from .softmax import finish_softmax, online_softmax_step
@@ -70,12 +70,6 @@ def _launch_config(block_rows: int, page_size: int, is_fp8: bool) -> tuple[int, 
     if not is_fp8 and block_rows <= 16:
         return min(page_size, 32), 4, 2
     return min(page_size, 64), 8 if block_rows >= 64 or is_fp8 else 4, 2
-
-
-@triton.jit
-def _to_e4m3(x):
-    """fp32 values of magnitude below 256 to E4M3, nearest even."""
-    return round_to_fp8_grid(x, 3, -6).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -178,8 +172,8 @@ def _mla_decode_split_kernel(
         q_exp = ((tl.maximum(q_max, 1e-30).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         if FP8_QUERIES:
             q_scale = ((127 + 7 - q_exp) << 23).to(tl.float32, bitcast=True)  # E = 8
-            q_nope = _to_e4m3(q_nope.to(tl.float32) * q_scale[:, None])
-            q_pe = _to_e4m3(q_pe.to(tl.float32) * q_scale[:, None])
+            q_nope = (q_nope.to(tl.float32) * q_scale[:, None]).to(tl.float8e4nv)
+            q_pe = (q_pe.to(tl.float32) * q_scale[:, None]).to(tl.float8e4nv)
         else:
             q_scale = ((127 + 14 - q_exp) << 23).to(tl.float32, bitcast=True)  # E = 15, fp16 max 65504
             q_nope = (q_nope.to(tl.float32) * q_scale[:, None]).to(tl.float16)

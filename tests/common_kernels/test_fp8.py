@@ -35,6 +35,27 @@ def test_group_quant_matches_reference(fp8_name, shape, pow2_scale, in_dtype):
         assert torch.equal(scales, torch.exp2(torch.log2(scales).round()))
 
 
+def test_group_quant_rounds_exact_ties_to_even():
+    """Quotients exactly halfway between two E4M3 values round to the even one, as torch's cast does,
+    under scales chosen so that the shortcuts miss: with ``a``, x times the reciprocal falls short of
+    the ties 19 and 9.5 (so one division a scale needs its correction); with ``b``, the correction
+    done with two roundings instead of a fused one overshoots the tie 15.5 (so the interpreter's fma
+    must be fused, as the GPU's is). 17 sits between 16 and 18; 7.97 carries into the next binade."""
+    a, b = torch.tensor(1 + 2949 * 2.0**-12), torch.tensor(1 + 693 * 2.0**-14)
+    assert (19 * a) * (1 / a) < 19 and (9.5 * a) * (1 / a) < 9.5
+    q0 = (15.5 * b) * (1 / b)
+    assert q0 + (15.5 * b - q0 * b) * (1 / b) < 15.5
+    x = torch.zeros(2, 128, device=device())
+    x[:, 0] = 448 * torch.stack([a, b])  # the group maxima: the scales are a and b exactly
+    x[0, 1:7] = torch.tensor([19.0, -19.0, 9.5, 17.0, 7.97, -7.97]) * a
+    x[1, 1:3] = torch.tensor([15.5, -15.5]) * b
+    q, scales = quantize_per_token_group(x, 128)
+    assert scales[:, 0].tolist() == [a.item(), b.item()]
+    assert q[0, 1:7].float().tolist() == [20.0, -20.0, 10.0, 16.0, 8.0, -8.0]
+    assert q[1, 1:3].float().tolist() == [16.0, -16.0]
+    assert torch.equal(q.view(torch.uint8), quantize_per_token_group_ref(x, 128)[0].view(torch.uint8))
+
+
 @pytest.mark.parametrize("pow2_scale", [False, True], ids=["scale", "pow2_scale"])
 def test_group_quant_counts_nonfinite_inputs(pow2_scale):
     """A NaN reaches its group's scale (a GPU's max drops NaN operands), an infinity makes it infinite."""
