@@ -5,7 +5,7 @@ import torch
 
 from benchmarks.fp8_gemm import TP8_SHAPES
 from benchmarks.fp8_moe import expert_weights
-from common_kernels.fp8 import block_scaled_gemm, quantize_per_token, quantize_per_token_group
+from common_kernels.fp8 import block_scaled_gemm, quantize_per_token, quantize_per_token_group, quantize_weight_blocks
 from common_kernels.fp8.reference import (
     block_scaled_gemm_ref,
     quantize_per_token_group_ref,
@@ -59,6 +59,24 @@ def test_untuned_hopper_default_tp8_shapes(m, n, k):
     out = block_scaled_gemm(a, a_scale, b, b_scale, config=config)
     expected = block_scaled_gemm_ref(a, a_scale, b, b_scale, torch.float32)
     assert_close(out, expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2, name=f"gemm {config}")
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("pow2_scale", [False, True], ids=["scale", "pow2_scale"])
+def test_group_quant_bit_equal_over_many_values(fp8, pow2_scale):
+    """The hardware's fp8 cast (nearest even, subnormals) after one division a scale, on 29 M values
+    over twelve decades: every code and scale as torch's division and cast give them."""
+    x = torch.randn(4096, 7168, device="cuda") * torch.logspace(-6, 6, 4096, device="cuda")[:, None]
+    q, scales = quantize_per_token_group(x, 128, fp8, pow2_scale)
+    q_ref, scales_ref = quantize_per_token_group_ref(x, 128, fp8, pow2_scale)
+    assert torch.equal(scales, scales_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_weight_block_quant_bit_equal():
+    w = torch.randn(24576, 1536, device="cuda") * 0.02
+    q, scales = quantize_weight_blocks(w)
+    q_ref, scales_ref = quantize_weight_blocks_ref(w)
+    assert torch.equal(scales, scales_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
 @pytest.mark.parametrize("k", [7168, 18432, 2112])
