@@ -288,7 +288,6 @@ def _tiles(smem, bars, kc_desc, kp_desc, cache_ptr, bt_row, stride_cache_block, 
     four ``O^T`` chunks (not normalized)."""
     gl.static_assert(STEP == 1 or TMA_BOX > 0, "warpgroups taking turns refill the ring by bulk copies")
     qn_smem, qp_smem, kc_ring, kp_ring, p_smem, max_smem = smem
-    key_ty: gl.constexpr = kc_ring.dtype
     ld_keys: gl.constexpr = (gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0]) if IS_FP8
                              else gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0]))
     mma_s: gl.constexpr = _scores_layout(BLOCK_R, IS_FP8)
