@@ -168,7 +168,8 @@ def _fp8_tables(gpu: dict) -> dict:
         path = tuned_table_path(kind, gpu["name"])
         if path.is_file():
             shapes = tuned_table(kind, gpu["name"])
-            report[kind] = f"{path} ({len(shapes)} shapes tuned; others run the untuned defaults)"
+            tuned = f"{len(shapes)} shape{'' if len(shapes) == 1 else 's'} tuned"
+            report[kind] = f"{path} ({tuned}; others run the untuned defaults)"
         else:
             report[kind] = (f"no table for {gpu['name']} ({path.name}): untuned defaults; python -m "
                             f"benchmarks.tune_fp8_{kind} --out FILE, then LATENTSPEED_FP8_{kind.upper()}_CONFIGS=FILE")
