@@ -8,7 +8,7 @@ Triton 3.6's interpreter stores bf16 tensors as raw uint16, and
 - fp32 -> bf16 casts truncate, where the GPU rounds to nearest even: every other value lands one
   bf16 ulp off, which a later fp8 quantization turns into percent-level differences.
 
-and it rounds twice where the GPU rounds once:
+and it rounds otherwise than the GPU:
 
 - fp32 -> fp8 casts round ties away from zero and can lose the carry into the exponent (-7.97
   becomes -4 in E4M3), where Hopper's ``cvt.rn.satfinite`` rounds to nearest even and saturates at
