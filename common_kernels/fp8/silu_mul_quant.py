@@ -9,8 +9,8 @@ For row ``m`` of ``x [M, 2 * D]`` (gate columns ``[0, D)``, up columns ``[D, 2 *
 with ``silu(g) = g / (1 + exp(-g))`` in fp32, through Triton's ``exp`` and ``/`` (both within a few
 fp32 ulps on GPUs: a value near a rounding boundary can take the neighbouring 16-bit number). A
 program reads ``BLOCK_ROWS`` rows of one group of gate and up columns and writes only the fp8 values
-and their scales: the activated bf16 rows never go to memory. Non-finite values of ``y`` are counted into ``stats[1]`` as the group quantizer
-counts its inputs.
+and their scales: the activated bf16 rows never go to memory. Non-finite values of ``y`` are counted
+into ``stats[1]`` as the group quantizer counts its inputs.
 
 Over the fused MoE's sorted rows (``moe.ExpertRuns``: the gate/up product of a grouped GEMM), rows
 past the device's row count are left alone and padding rows give ``y = 0``, whatever ``x`` holds
