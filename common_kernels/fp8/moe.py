@@ -41,7 +41,7 @@ from .moe_sm90_ws import silu_gate
 from .quant import (
     GROUP_BLOCK_ROWS,
     QUANT_EPS,
-    count_nonfinite,
+    add_nonfinite,
     group_tile,
     quantize_groups,
     quantize_per_token_group,
@@ -333,7 +333,7 @@ def _moe_gemm_kernel(
                  tl.reshape(scale, [BLOCK_M, BLOCK_N // BLOCK_K]),
                  mask=(sorted_row >= 0)[:, None] & (groups * BLOCK_K < N)[None, :])
         if TRACK_STATS:
-            tl.atomic_add(stats_ptr + 1, count_nonfinite(h, mask_c))
+            add_nonfinite(stats_ptr, h, mask_c)
     else:
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
 
@@ -468,7 +468,7 @@ def _quantize_to_sorted_rows_kernel(
         tl.store(q_ptr + dest[:, None] * stride_q + offs[None, :], y, mask=mask & taken)
         tl.store(scale_ptr + dest[:, None] * stride_s + group, scale, mask=taken)
     if TRACK_STATS:
-        tl.atomic_add(stats_ptr + 1, count_nonfinite(x, mask))
+        add_nonfinite(stats_ptr, x, mask)
 
 
 def quantize_to_sorted_rows(x: torch.Tensor, runs: ExpertRuns, top_k: int, stats: torch.Tensor | None = None):

@@ -61,7 +61,7 @@ from .gemm_sm90_ws import (
     claim_slot,
     ring_barriers,
 )
-from .quant import count_nonfinite, max_nan, quantize_by_scale, scale_of
+from .quant import add_nonfinite, max_nan, quantize_by_scale, scale_of
 
 ROWS = gl.constexpr(64)  # sorted rows a tile: both consumers take all of them
 BLOCK_N = gl.constexpr(128)  # intermediate columns a tile: one quantization group, 64 a consumer
@@ -226,7 +226,7 @@ def _store_quantized(gate, up, exchange, out, sorted_ids_ptr, num_pairs, pid_m, 
     if WG == 0:
         gl.store(h_scale_ptr + rows.to(gl.int64) * stride_hsm + pid_n, scale)
     if QUANT[2]:  # the guard's non-finite count, real rows only
-        gl.atomic_add(stats_ptr + 1, count_nonfinite(h, real[:, None] & mask_cols))
+        add_nonfinite(stats_ptr, h, real[:, None] & mask_cols)
 
 
 @gluon.jit

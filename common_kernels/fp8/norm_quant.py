@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..fp8_format import fp8_finite_max
-from .quant import QUANT_EPS, check_group_format, count_nonfinite, quantize_groups
+from .quant import QUANT_EPS, add_nonfinite, check_group_format, quantize_groups
 
 MAX_COLS = 16384  # a row is one program's registers: DeepSeek-V3's 7168 and its 1536-wide q_a_layernorm fit
 
@@ -50,7 +50,7 @@ def _rms_norm_group_quant_kernel(
     tl.store(q_ptr + row * stride_q + offs, values.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row * stride_s + group, scale, mask=group * GROUP < num_cols)
     if TRACK_STATS:
-        tl.atomic_add(stats_ptr + 1, count_nonfinite(y, mask))
+        add_nonfinite(stats_ptr, y, mask)
 
 
 def _num_warps(rows: int, lanes: int) -> int:

@@ -5,7 +5,14 @@ import torch
 
 from benchmarks.fp8_gemm import TP8_SHAPES
 from benchmarks.fp8_moe import expert_weights
-from common_kernels.fp8 import block_scaled_gemm, quantize_per_token, quantize_per_token_group, quantize_weight_blocks
+from common_kernels.fp8 import (
+    block_scaled_gemm,
+    quantize_per_token,
+    quantize_per_token_group,
+    quantize_weight_blocks,
+    rms_norm_group_quant,
+    silu_mul_group_quant,
+)
 from common_kernels.fp8.reference import (
     block_scaled_gemm_ref,
     quantize_per_token_group_ref,
@@ -77,6 +84,34 @@ def test_weight_block_quant_bit_equal():
     q, scales = quantize_weight_blocks(w)
     q_ref, scales_ref = quantize_weight_blocks_ref(w)
     assert torch.equal(scales, scales_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def _plant_nonfinite(x: torch.Tensor, count: int, values=(float("nan"), float("inf"), -float("inf"))) -> torch.Tensor:
+    flat = x.view(-1)
+    flat[torch.randperm(flat.numel(), device=x.device)[:count]] = torch.tensor(values, device=x.device, dtype=x.dtype)[
+        torch.arange(count, device=x.device) % len(values)]
+    return x
+
+
+@pytest.mark.parametrize("rows,cols,count", [(1, 16, 3), (3, 200, 7), (37, 7168, 101), (4099, 1536, 999)])
+def test_guard_counts_each_nonfinite_value_once(rows, cols, count):
+    """The quantizers count a row's non-finite values within its warp and add them with one atomic for
+    each row that holds any: on a GPU a row's count sits in several lanes, and each must add it once
+    (the interpreter has no lanes). Tiles smaller than a program's threads replicate values too."""
+    def counted(fn, *args):
+        stats = torch.zeros(2, dtype=torch.int32, device="cuda")
+        fn(*args, stats=stats)
+        return stats.tolist()
+
+    x = _plant_nonfinite(torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16), count)
+    assert counted(quantize_per_token_group, x, 128) == [0, count]
+    up = _plant_nonfinite(torch.randn(rows, cols // 2, device="cuda", dtype=torch.bfloat16), count)
+    assert counted(silu_mul_group_quant, torch.cat([torch.randn_like(up), up], 1)) == [0, count]
+    # a NaN makes its row's RMS NaN, and so every value of that row
+    x = _plant_nonfinite(torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16), rows, (float("nan"),))
+    nan_rows = int(x.isnan().any(1).sum())
+    assert counted(rms_norm_group_quant, x, torch.ones(cols, device="cuda", dtype=torch.bfloat16), 1e-6) == [
+        0, nan_rows * cols]
 
 
 @pytest.mark.parametrize("k", [7168, 18432, 2112])
