@@ -332,8 +332,8 @@ def _moe_gemm_kernel(
         tl.store(c_scale_ptr + sorted_row[:, None] * stride_csm + groups[None, :],
                  tl.reshape(scale, [BLOCK_M, BLOCK_N // BLOCK_K]),
                  mask=(sorted_row >= 0)[:, None] & (groups * BLOCK_K < N)[None, :])
-        if TRACK_STATS:
-            add_nonfinite(stats_ptr, h, mask_c)
+        if TRACK_STATS:  # real rows only: a padding row's A holds nothing (an infinite scale makes it NaN)
+            add_nonfinite(stats_ptr, h, mask_m[:, None] & mask_n[None, :])
     else:
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
 

@@ -309,6 +309,21 @@ def test_separate_activation_counts_what_the_products_make_nonfinite():
     assert stats[1] > 0
 
 
+@pytest.mark.parametrize("launch", ["quantizing_epilogue", "quantizing_epilogue_two_groups"])
+def test_quantizing_epilogue_counts_real_rows_only(launch):
+    """An infinite weight scale in one expert: the epilogue that quantizes the intermediate counts as
+    many non-finite values as the separate activation's quantizer, not the NaN that the same scale makes
+    of its run's padding rows."""
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(tokens=21)
+    s13[int(ids[0, 0]), 0, 0] = float("inf")
+    counts = []
+    for config in (LAUNCHES["separate_activation"], LAUNCHES[launch]):
+        stats = torch.zeros(2, dtype=torch.int32)
+        fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=config, stats=stats)
+        counts.append(stats.tolist())
+    assert counts[0][1] > 0 and counts[0] == counts[1]
+
+
 def test_nonfinite_activations_are_counted():
     w13, s13 = expert_weights(2, 256, 128, 0.05)
     w2, s2 = expert_weights(2, 128, 128, 0.05)

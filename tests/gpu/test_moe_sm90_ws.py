@@ -142,6 +142,36 @@ def test_padding_rows_holding_nan_stay_out():
     assert stats[1] > 0
 
 
+def test_quantizing_gate_ups_count_each_nonfinite_value_once():
+    """An infinite weight scale in one expert's first gate block: the quantizing epilogues (Triton's and
+    the warp-specialized kernel's) count the non-finite intermediate values of real rows once each, as
+    many as torch finds in ``silu(gate) * up`` of the products, and as the separate SiLU quantizer."""
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(50, 8, 256, 256, 2)
+    s13[ids[0, 0], 0, 0] = float("inf")
+    runs = moe.align_by_expert(ids.to(torch.int32), 8, 128)
+    a, a_scale = moe.quantize_to_sorted_rows(x, runs, 2)
+    real = (runs.sorted_ids < ids.numel())[:a.shape[0]]
+    products = x.new_empty(a.shape[0], 512)
+    moe._moe_gemm(a, a_scale, w13, s13, products, runs, ids.numel(), None, None, False, False, WS_SEPARATE)
+    gate, up = products[real].float().split(256, 1)
+    expected = int((~(torch.nn.functional.silu(gate).to(x.dtype).float() * up).to(x.dtype).isfinite()).sum())
+    assert expected > 0
+    counts = []
+    for path in ("separate", "triton", "ws"):
+        stats = torch.zeros(2, dtype=torch.int32, device="cuda")
+        h, h_scale = moe._empty_intermediate(a.shape[0], 256, x.device)
+        if path == "separate":
+            silu_mul_group_quant(products, stats=stats, rows_limit=runs.used_rows,
+                                 pair_ids=(runs.sorted_ids, ids.numel()))
+        elif path == "triton":
+            moe._moe_gemm(a, a_scale, w13, s13, h, runs, ids.numel(), None, None, True, False, TRITON,
+                          out_scale=h_scale, mid_dtype=x.dtype, stats=stats)
+        else:
+            moe._moe_gate_up_sm90_ws(a, a_scale, w13, s13, h, h_scale, runs, ids.numel(), WS, x.dtype, stats)
+        counts.append(stats.tolist())
+    assert counts == [[0, expected]] * 3
+
+
 @pytest.mark.parametrize("block_m, gate_up", [(64, WS), (128, WS), (128, WS_SEPARATE)])
 def test_gate_up_ignores_what_the_padding_rows_hold(block_m, gate_up):
     """Deterministic (the test above relies on the caching allocator): the sorted A's padding rows
