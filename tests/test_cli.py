@@ -40,8 +40,8 @@ def test_unknown_command_is_refused():
 
 
 def test_info_names_the_fp8_launch_table_of_the_gpu(monkeypatch):
-    """``latentspeed info``'s ``fp8_tables``: the shipped H200 tables, the H100's MoE table (its GEMM has none),
-    and for a card without one that the untuned defaults run and how to tune."""
+    """``latentspeed info``'s ``fp8_tables``: the shipped H200 and H100 tables, and for a card without one that
+    the untuned defaults run and how to tune."""
     from latentspeed.cli import _fp8_tables
 
     for kind in ("GEMM", "MOE"):
@@ -52,7 +52,7 @@ def test_info_names_the_fp8_launch_table_of_the_gpu(monkeypatch):
     assert h200["gemm"].endswith("gemm_NVIDIA_H200.json (12 shapes tuned; others run the untuned defaults)")
     assert h200["moe"].endswith("moe_NVIDIA_H200.json (2 shapes tuned; others run the untuned defaults)")
     h100 = _fp8_tables({"available": True, "name": "NVIDIA H100 80GB HBM3"})
-    assert h100["gemm"].startswith("no table for NVIDIA H100 80GB HBM3 (gemm_NVIDIA_H100_80GB_HBM3.json)")
-    assert h100["moe"].endswith("moe_NVIDIA_H100_80GB_HBM3.json (1 shape tuned; others run the untuned defaults)")
+    assert h100["gemm"].endswith("gemm_NVIDIA_H100_80GB_HBM3.json (6 shapes tuned; others run the untuned defaults)")
+    assert h100["moe"].endswith("moe_NVIDIA_H100_80GB_HBM3.json (2 shapes tuned; others run the untuned defaults)")
     h20 = _fp8_tables({"available": True, "name": "NVIDIA H20"})
     assert "python -m benchmarks.tune_fp8_moe --out FILE, then LATENTSPEED_FP8_MOE_CONFIGS=FILE" in h20["moe"]
