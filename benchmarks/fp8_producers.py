@@ -5,6 +5,8 @@ shared expert's ``down_proj`` input).
 
 Providers per shape:
 - ``latentspeed``: ``rms_norm_group_quant`` / ``silu_mul_group_quant`` (one launch);
+- ``latentspeed-guarded``: the same with ``stats``, counting non-finite values, as the engines call them
+  while the fp8 guard is on (the default);
 - ``vLLM-fused``: vLLM's CUDA ``rms_norm_per_block_quant`` / ``silu_and_mul_per_block_quant``;
 - ``vLLM-unfused``: vLLM's CUDA ``fused_add_rms_norm`` or ``rms_norm`` / ``silu_and_mul``, then its
   ``per_token_group_quant_fp8`` (what runs when nothing fuses them);
@@ -44,12 +46,13 @@ def dequantized(q, scales):
     return q.float() * scales.repeat_interleave(128, 1)[:, :q.shape[1]]
 
 
-def latentspeed_provider(producer, x, weight, residual):
-    """``(reference (q, scales), latentspeed's fused call)``."""
+def latentspeed_provider(producer, x, weight, residual, stats=None):
+    """``(reference (q, scales), latentspeed's fused call)``, counting into the guard's ``stats`` if given."""
     if producer == "silu_mul":
-        return silu_mul_group_quant_ref(x), lambda: silu_mul_group_quant(x)
+        return silu_mul_group_quant_ref(x), lambda: silu_mul_group_quant(x, stats=stats)
     r = residual if producer == "add_rms_norm" else None
-    return rms_norm_group_quant_ref(x, weight, EPS, r)[:2], lambda: rms_norm_group_quant(x, weight, EPS, r)[:2]
+    return (rms_norm_group_quant_ref(x, weight, EPS, r)[:2],
+            lambda: rms_norm_group_quant(x, weight, EPS, r, stats=stats)[:2])
 
 
 def vllm_providers(producer, x, weight, residual):
@@ -109,7 +112,9 @@ def main():
             weight = (torch.rand(width, device="cuda") + 0.5).bfloat16()
             residual = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
             expected, ours = latentspeed_provider(producer, x, weight, residual)
-            providers = {"latentspeed": (ours, ours)}
+            stats = torch.zeros(2, dtype=torch.int32, device="cuda")
+            guarded = latentspeed_provider(producer, x, weight, residual, stats)[1]
+            providers = {"latentspeed": (ours, ours), "latentspeed-guarded": (guarded, guarded)}
             try:
                 providers.update(vllm_providers(producer, x, weight, residual))
             except ImportError as err:  # vLLM missing on this host

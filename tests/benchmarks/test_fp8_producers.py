@@ -21,6 +21,20 @@ def test_latentspeed_side_matches_the_reference(producer):
     assert fp8_producers.fused_bytes(producer, tokens, width) > tokens * width
 
 
+@pytest.mark.parametrize("producer", ["add_rms_norm", "rms_norm", "silu_mul"])
+def test_guarded_side_counts_into_the_stats(producer):
+    """``latentspeed-guarded`` times the call the engines make with the fp8 guard on: one planted NaN is
+    counted (in a norm's row every value turns NaN)."""
+    width, tokens = 256, 3
+    x = torch.randn(tokens, 2 * width if producer == "silu_mul" else width, dtype=torch.bfloat16)
+    x[1, width + 5 if producer == "silu_mul" else 5] = float("nan")
+    stats = torch.zeros(2, dtype=torch.int32)
+    _, guarded = fp8_producers.latentspeed_provider(producer, x, (torch.rand(width) + 0.5).bfloat16(),
+                                                    torch.randn(tokens, width, dtype=torch.bfloat16), stats)
+    guarded()
+    assert stats.tolist() == [0, 1 if producer == "silu_mul" else width]
+
+
 def test_the_vllm_kernels_it_times_exist():
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers.quantization.utils import fp8_utils
