@@ -317,8 +317,8 @@ def _moe_gemm_kernel(
     if SWAP_AB:
         acc = tl.trans(acc)
         acc_up = tl.trans(acc_up)
-    if GATED:
-        acc = silu_gate(acc, acc_up)
+    if GATED:  # padding rows zero, whatever the scales make of their zero A (0 * inf is NaN)
+        acc = tl.where(mask_m[:, None], silu_gate(acc, acc_up), 0.0)
     if APPLY_WEIGHT:
         acc *= tl.load(weights_ptr + pair, mask=mask_m, other=0.0)[:, None]
     c = c_ptr + sorted_row[:, None] * stride_cm + offs_n[None, :]
@@ -332,8 +332,8 @@ def _moe_gemm_kernel(
         tl.store(c_scale_ptr + sorted_row[:, None] * stride_csm + groups[None, :],
                  tl.reshape(scale, [BLOCK_M, BLOCK_N // BLOCK_K]),
                  mask=(sorted_row >= 0)[:, None] & (groups * BLOCK_K < N)[None, :])
-        if TRACK_STATS:  # real rows only: a padding row's A holds nothing (an infinite scale makes it NaN)
-            add_nonfinite(stats_ptr, h, mask_m[:, None] & mask_n[None, :])
+        if TRACK_STATS:
+            add_nonfinite(stats_ptr, h, mask_c)
     else:
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
 

@@ -312,8 +312,8 @@ def test_separate_activation_counts_what_the_products_make_nonfinite():
 @pytest.mark.parametrize("launch", ["quantizing_epilogue", "quantizing_epilogue_two_groups"])
 def test_quantizing_epilogue_counts_real_rows_only(launch):
     """An infinite weight scale in one expert: the epilogue that quantizes the intermediate counts as
-    many non-finite values as the separate activation's quantizer, not the NaN that the same scale makes
-    of its run's padding rows."""
+    many non-finite values as the separate activation's quantizer. The run's padding rows (zero A, which
+    that scale would turn into NaN) are written as zeros and not counted."""
     x, w13, s13, w2, s2, weights, ids = moe_inputs(tokens=21)
     s13[int(ids[0, 0]), 0, 0] = float("inf")
     counts = []
