@@ -9,7 +9,10 @@ records that launch only. The cases print in order, one line each, to match ncu'
 Cases: ``decode:CACHE:HEADS:Q_LEN:CTX[:BATCH]`` (batch 128 unless given, ``benchmarks.mla_decode``'s
 inputs and plan), ``gemm:M:N:K`` (``block_scaled_gemm`` with its tuned config, E4M3 operands) and
 ``silu:ROWS:HALF`` (``silu_mul_group_quant`` of a bf16 ``[ROWS, 2 * HALF]``, as after SEPARATE_ACT's products
-or a dense MLP's gate/up: ``silu:48128:2048``, ``silu:16384:9216``).
+or a dense MLP's gate/up: ``silu:48128:2048``, ``silu:16384:9216``), ``norm:ROWS:COLS[:stats]``
+(``rms_norm_group_quant`` with a residual, with the guard's count when ``stats`` is given) and
+``moe:SHAPE:TOKENS[:PROVIDER]`` (one call of ``benchmarks.fp8_moe``'s provider, ``latentspeed`` unless
+given, e.g. ``moe:deepseek_v3:1024:vLLM-Triton`` with vLLM on the path; every kernel of the call).
 """
 
 import argparse
@@ -20,8 +23,10 @@ from benchmarks.mla_decode import make_inputs, ours
 from benchmarks.mla_decode_splits import DTYPES
 from common_kernels.fp8 import (
     block_scaled_gemm,
+    fused_moe_fp8,
     quantize_per_token_group,
     quantize_weight_blocks,
+    rms_norm_group_quant,
     silu_mul_group_quant,
 )
 
@@ -44,7 +49,28 @@ def silu_case(rows: str, half: str):
     return lambda: silu_mul_group_quant(x)
 
 
-CASES = {"decode": decode_case, "gemm": gemm_case, "silu": silu_case}
+def norm_case(rows: str, cols: str, stats: str = ""):
+    x, residual = (torch.randn(int(rows), int(cols), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    weight = torch.randn(int(cols), device="cuda", dtype=torch.bfloat16)
+    counters = torch.zeros(2, dtype=torch.int32, device="cuda") if stats else None
+    return lambda: rms_norm_group_quant(x, weight, 1e-6, residual, stats=counters)
+
+
+def moe_case(shape: str, tokens: str, provider: str = "latentspeed"):
+    from benchmarks import fp8_moe
+
+    experts, top_k, hidden, inter = fp8_moe.SHAPES[shape]
+    w13, s13 = fp8_moe.expert_weights(experts, 2 * inter, hidden)
+    w2, s2 = fp8_moe.expert_weights(experts, hidden, inter)
+    x = torch.randn(int(tokens), hidden, device="cuda", dtype=torch.bfloat16)
+    weights, ids = torch.softmax(torch.randn(int(tokens), experts, device="cuda"), -1).topk(top_k, dim=-1)
+    args = (x, w13, s13, w2, s2, weights, ids.to(torch.int32))
+    if provider == "vLLM-Triton":
+        return fp8_moe.vllm_fused(*args)
+    return lambda: fused_moe_fp8(*args, check_ids=False)
+
+
+CASES = {"decode": decode_case, "gemm": gemm_case, "silu": silu_case, "norm": norm_case, "moe": moe_case}
 
 
 def main() -> None:
