@@ -7,7 +7,10 @@ K block, scaled before it joins the fp32 accumulator; with ``SPLIT_K`` > 1 (not 
 partial ``[M, N]``, which ``gemm`` sums. A tuned table selects it per shape with ``"KERNEL": "sm90_ws"``.
 Grouped by expert (``GROUPED``, the kernel's docstring) it is also the fused MoE's second GEMM
 (``moe._grouped_gemm_sm90_ws``; on the H200 1.07-1.16x DeepGEMM's grouped GEMM,
-``benchmarks/results/fp8-h200-2026-12-05.md``) and, with ``SEPARATE_ACT``, its first one's products.
+``benchmarks/results/fp8-h200-2026-12-05.md``) and, with ``SEPARATE_ACT``, its first one's products. As the
+second GEMM it stores the pairs' rows only: with runs of 128 rows, 32 pairs an expert (DeepSeek-V3 at 1024
+tokens) stored 4x the output's bytes (466 MB against 118 MB under ncu on the H100); the MoE went from
+4.63 to 4.53 ms there, and from 6.26 to 6.12 ms at 4096 tokens (``fp8-moe-padding-h100-2026-12-05.md``).
 
 Why a third kernel: the Triton kernel and ``gemm_sm90`` stop at 620-760 TFLOP/s on the H200 where
 DeepGEMM reaches 1200-1330 (``benchmarks/notes.md``). ncu put 20 % of the Triton kernel's stall
@@ -263,20 +266,41 @@ def _tile(a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, N, s
         acc = _fold(acc, even_done, scale)
     if GROUPED and experts[2] is not None:  # each row's routing weight, by its pair (0 for padding rows)
         pair = gl.load(experts[1] + rows, mask=mask_rows, other=experts[3])
-        acc = acc * gl.load(experts[2] + pair, mask=pair < experts[3], other=0.0)[:, None]
-    if C_TMA:  # through this warpgroup's shared buffer, once the bulk store of its last tile has read it
-        c_desc, c_bufs = c_out
-        c_buf = c_bufs.index(WG)
-        tma.store_wait(0)
-        gl.thread_barrier()
-        c_buf.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M + WG * 64, pid_n * BLOCK_N], c_buf)
+        paired = pair < experts[3]
+        acc = acc * gl.load(experts[2] + pair, mask=paired, other=0.0)[:, None]
+        # Only the pairs' rows are read after (``moe.sum_slots``): 64 rows of pairs go by bulk store, fewer from
+        # registers, none not at all (a run of a few pairs would otherwise store its 128 rows)
+        if not C_TMA:
+            _store_rows(c_out[0], c_out[1], acc, rows, cols, paired, N, 0)
+        elif gl.sum(paired.to(gl.int32), axis=0) == 64:
+            _bulk_store(c_out, acc, pid_m, pid_n, WG, BLOCK_N)
+        else:
+            _store_rows(c_out[2], c_out[3], acc, rows, cols, paired, N, 0)
+    elif C_TMA:
+        _bulk_store(c_out, acc, pid_m, pid_n, WG, BLOCK_N)
     else:
-        c_ptr, stride_cm = c_out
-        c = c_ptr + (rows.to(gl.int64) + c_row0)[:, None] * stride_cm + cols[None, :]
-        gl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_rows[:, None] & (cols < N)[None, :])
+        _store_rows(c_out[0], c_out[1], acc, rows, cols, mask_rows, N, c_row0)
+
+
+@gluon.jit
+def _bulk_store(c_out, acc, pid_m, pid_n, WG: gl.constexpr, BLOCK_N: gl.constexpr):
+    """This warpgroup's 64 rows of the tile by a bulk tensor store, through its shared buffer once the bulk
+    store of its last tile has read it (``c_out``: C's descriptor and the consumers' shared buffers)."""
+    c_desc = c_out[0]
+    c_buf = c_out[1].index(WG)
+    tma.store_wait(0)
+    gl.thread_barrier()
+    c_buf.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M + WG * 64, pid_n * BLOCK_N], c_buf)
+
+
+@gluon.jit
+def _store_rows(c_ptr, stride_cm, acc, rows, cols, mask_rows, N, c_row0):
+    """The ``mask_rows`` of ``acc`` at C's ``rows`` (``c_row0`` further), from registers."""
+    c = c_ptr + (rows.to(gl.int64) + c_row0)[:, None] * stride_cm + cols[None, :]
+    gl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_rows[:, None] & (cols < N)[None, :])
 
 
 @gluon.jit
@@ -284,8 +308,8 @@ def _consumer(a_ring, b_ring, ready, empty, c_out, a_scale_ptr, b_scale_ptr, M, 
               experts, WG: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
               C_TMA: gl.constexpr, GROUPED: gl.constexpr, SPLIT_K: gl.constexpr):
     """Consumer warpgroup ``WG``: its 64 rows of each of this program's work items, in the producer's order.
-    ``c_out``: C's descriptor and the consumers' shared buffers (``C_TMA``), or its pointer and row stride
-    (with ``SPLIT_K``, the fp32 partials ``[SPLIT_K, M, N]``)."""
+    ``c_out``: C's descriptor and the consumers' shared buffers (``C_TMA``), then, where rows are stored from
+    registers, C's pointer and row stride (with ``SPLIT_K``, the fp32 partials ``[SPLIT_K, M, N]``)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     it = 0
     for item in range(gl.program_id(0), _num_tiles(M, N, BLOCK_N) * SPLIT_K, gl.num_programs(0)):
@@ -316,7 +340,8 @@ def block_scaled_gemm_kernel_sm90_ws(
     expert ``block_expert[m]``'s rows of B and of ``b_scale`` (``stride_bse`` apart), only the
     ``rows_in_use[0]`` rows of runs are computed (``M`` bounds the descriptors), and, given
     ``weights_ptr``, each row of C is multiplied by ``weights[sorted_ids[row]]`` (0 where that is
-    ``num_pairs``, a padding row); without it C's padding rows hold whatever A's padding rows give.
+    ``num_pairs``, a padding row) and only the pairs' rows are stored; without it C's padding rows hold
+    whatever A's padding rows give.
 
     ``SPLIT_K`` > 1 (not grouped; ``splits_fit``): each tile is ``SPLIT_K`` work items, each over its
     share of the K blocks (``_work``), and ``c_ptr`` the fp32 partials ``[SPLIT_K, M, N]`` (``stride_cm`` =
@@ -332,7 +357,11 @@ def block_scaled_gemm_kernel_sm90_ws(
     b_ring = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     ready, empty = ring_barriers(NUM_STAGES)
     if C_TMA:  # C by bulk stores, through a shared buffer a consumer
-        c_out = (c_desc, gl.allocate_shared_memory(c_desc.dtype, [2, 64, BLOCK_N], c_desc.layout))
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2, 64, BLOCK_N], c_desc.layout)
+        if GROUPED and weights_ptr is not None:  # and boxes with padding rows from registers (``_tile``)
+            c_out = (c_desc, c_bufs, c_ptr, stride_cm)
+        else:  # (a pointer the partitions take but do not use fails Triton 3.6's lowering)
+            c_out = (c_desc, c_bufs)
     else:
         c_out = (c_ptr, stride_cm)
     fence_async_shared()

@@ -400,7 +400,8 @@ def _grouped_gemm_sm90_ws(a, a_scale, b, b_scale, out, runs: ExpertRuns, num_pai
     """A GEMM over the sorted rows on ``gemm_sm90_ws``'s warp-specialized Hopper kernel, grouped by
     expert: A's sorted rows by bulk tensor copies, each 128-row run's expert's weights, C by bulk
     stores, each row times its pair's routing weight unless ``weights`` is None (the second GEMM, and
-    the first with ``SEPARATE_ACT``)."""
+    the first with ``SEPARATE_ACT``). With ``weights`` only the pairs' rows of C are stored (``sum_slots``
+    reads no other)."""
     block_m = runs.sorted_ids.shape[0] // runs.block_expert.shape[0]
     if block_m != gemm_sm90_ws.BLOCK_M.value:
         raise ValueError(f"the sm90_ws MoE kernel takes runs of {gemm_sm90_ws.BLOCK_M.value} rows: the config's "

@@ -108,6 +108,26 @@ def test_ws_down_partial_blocks_and_unaligned_rows(hidden, inter):
     assert_matches(ours, triton_out, fused_moe_fp8_ref(x[:30], w13, s13, w2, s2, weights[:30], ids[:30]), "down")
 
 
+@pytest.mark.parametrize("hidden", [256, 196])
+def test_ws_down_stores_the_pairs_rows_only(hidden):
+    """The second GEMM leaves its output's padding rows as they were (only ``sum_slots`` reads it, at the
+    pairs' rows): runs of 100 pairs in 128 rows, so bulk stores of 64 rows of pairs and stores from
+    registers of 36; H = 196 stores every row from registers. The pairs' rows match the Triton kernel's."""
+    x, w13, s13, w2, s2, weights, ids = moe_inputs(300, 6, hidden, 256, 2)
+    runs = moe.align_by_expert(ids.to(torch.int32), 6, 128)
+    pair_weights = weights.flatten().float().contiguous()
+    h, h_scale = moe._gated_intermediate(x, w13, s13, runs, 2, pair_weights, TRITON, None)
+    outs = []
+    for down in (TRITON, WS_DOWNS[1]):
+        out = torch.full((runs.sorted_ids.shape[0], hidden), float("nan"), dtype=x.dtype, device="cuda")
+        moe._moe_gemm(h, h_scale, w2, s2, out, runs, ids.numel(), pair_weights, None, False, True, down)
+        outs.append(out)
+    paired = runs.sorted_ids < ids.numel()
+    assert outs[1][~paired].isnan().all()
+    expected = outs[0][paired]
+    assert_close(outs[1][paired], expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2, name="down rows")
+
+
 @pytest.mark.parametrize("pair", ["both", "gate_up_64_rows", "separate_act"])
 def test_on_an_expert_parallel_rank(pair):
     """Pairs routed to other ranks leave their rows out; the rows of runs are the device's count only."""
