@@ -52,7 +52,7 @@ def test_info_names_the_fp8_launch_table_of_the_gpu(monkeypatch):
     assert h200["gemm"].endswith("gemm_NVIDIA_H200.json (12 shapes tuned; others run the untuned defaults)")
     assert h200["moe"].endswith("moe_NVIDIA_H200.json (2 shapes tuned; others run the untuned defaults)")
     h100 = _fp8_tables({"available": True, "name": "NVIDIA H100 80GB HBM3"})
-    assert h100["gemm"].endswith("gemm_NVIDIA_H100_80GB_HBM3.json (6 shapes tuned; others run the untuned defaults)")
+    assert h100["gemm"].endswith("gemm_NVIDIA_H100_80GB_HBM3.json (12 shapes tuned; others run the untuned defaults)")
     assert h100["moe"].endswith("moe_NVIDIA_H100_80GB_HBM3.json (2 shapes tuned; others run the untuned defaults)")
     h20 = _fp8_tables({"available": True, "name": "NVIDIA H20"})
     assert "python -m benchmarks.tune_fp8_moe --out FILE, then LATENTSPEED_FP8_MOE_CONFIGS=FILE" in h20["moe"]
