@@ -6,7 +6,8 @@ default down GEMM, then every launch of the down GEMM under that ``BLOCK_M``'s b
 for runs of fewer than ``SWAP_BELOW_BLOCK_M`` rows each launch also as ``B A^T`` products (``SWAP_AB``); up to
 ``NARROW_UP_TO_TOKENS`` tokens, 16- and 32-wide tiles too (``NARROW_LAUNCHES``); from ``CAPPED_FROM_TOKENS``
 tokens on, some under register caps (``maxnreg``: more programs a multiprocessor), and on Hopper from
-``WS_FROM_TOKENS`` on the warp-specialized kernels (``WS_LAUNCHES``, at the run lengths they take). Each
+``WS_FROM_TOKENS`` on the warp-specialized kernels (``WS_LAUNCHES``, at the run lengths they take); where the
+winner runs them, their tile order last (``GROUP_M`` of ``WS_GROUP_M`` against the default 8). Each
 candidate's output is checked against the default launch's, and its CUDA-graph replay timed (the way engines
 run it; median, L2 flushed). The winners are written as the table ``common_kernels.fp8.moe`` reads
 (``configs/moe_<GPU name>.json``, or the file ``LATENTSPEED_FP8_MOE_CONFIGS`` names), with the
@@ -56,6 +57,11 @@ WS_LAUNCHES = {
     + [dict(launch, SEPARATE_ACT=True) for launch in _WS_GEMMS],
     "down": _WS_GEMMS,
 }
+
+# The warp-specialized kernels' tile order (gemm_sm90.grouped_tile: GROUP_M row blocks of tiles in turn), set on
+# both GEMMs of a winner that runs them. On the H100 at DeepSeek-V3's 1024 and 4096 tokens 2 and 4 beat the
+# default 8 by 1.5 % and 1.8 %, and 1 was 1.4-1.5x slower (results/fp8-moe-padding-h100-2026-12-05.md).
+WS_GROUP_M = (1, 2, 4, 16)
 
 
 def gemm_launches(tokens: int, stage: str, block_m: int):
@@ -108,7 +114,8 @@ def search(tokens: int, time_us) -> dict:
     """The fastest launch that ``time_us(config)`` (µs, None for a launch that does not run) finds, one stage
     at a time for each ``BLOCK_M``: gate/up under the default down, then down under this ``BLOCK_M``'s fastest
     gate/up (not the fastest so far at another run length: SEPARATE_ACT over 128-row runs, say, must meet the
-    warp-specialized down there, which only 128-row runs take)."""
+    warp-specialized down there, which only 128-row runs take); then, if the fastest runs warp-specialized
+    kernels, each ``WS_GROUP_M`` on all of them."""
     best = dict(DEFAULT_CONFIG, us=time_us(DEFAULT_CONFIG))
     default_us = best["us"]
     for block_m in (16, 32, 64, 128):
@@ -124,6 +131,13 @@ def search(tokens: int, time_us) -> dict:
                     gate_up, gate_up_us = launch, us
                 if us < best["us"]:
                     best = dict(config, us=round(us, 2))
+    ws_stages = [stage for stage in ("gate_up", "down") if best[stage].get("KERNEL") == "sm90_ws"]
+    winner = {key: value for key, value in best.items() if key != "us"}
+    for group_m in WS_GROUP_M if ws_stages else ():
+        config = dict(winner, **{stage: dict(winner[stage], GROUP_M=group_m) for stage in ws_stages})
+        us = time_us(config)
+        if us is not None and us < best["us"]:
+            best = dict(config, us=round(us, 2))
     return dict(best, default_us=round(default_us, 2))
 
 

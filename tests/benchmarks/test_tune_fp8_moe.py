@@ -10,6 +10,7 @@ from benchmarks.tune_fp8_moe import (
     NARROW_UP_TO_TOKENS,
     SWAP_BELOW_BLOCK_M,
     WS_FROM_TOKENS,
+    WS_GROUP_M,
     WS_LAUNCHES,
     gemm_launches,
     search,
@@ -95,3 +96,27 @@ def test_search_pairs_each_run_lengths_best_gate_up_with_the_down_launches(monke
     best = search(4096, fake_us)
     assert best["BLOCK_M"] == 128 and best["us"] == 4.6 and best["default_us"] == 7.7
     assert best["gate_up"].get("SEPARATE_ACT") and best["down"].get("KERNEL") == "sm90_ws"
+
+
+@pytest.mark.parametrize("tokens", [64, 4096])
+def test_search_orders_the_tiles_of_a_warp_specialized_winner(monkeypatch, tokens):
+    """The winner's warp-specialized GEMMs are tried at each ``WS_GROUP_M`` (both at once), and a faster order
+    is kept; a winner on the Triton kernels (no warp-specialized launch below ``WS_FROM_TOKENS``) gets none."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
+    tried = []
+
+    def fake_us(config):
+        stages = (config["gate_up"], config["down"])
+        tried.append(tuple(stage.get("GROUP_M") for stage in stages))
+        ws = sum(1.0 for stage in stages if stage.get("KERNEL") and not stage.get("SEPARATE_ACT"))
+        orders = {stage.get("GROUP_M", 8) for stage in stages if stage.get("KERNEL")}
+        return 10.0 - ws - (0.25 if orders == {4} else 0.0)
+
+    best = search(tokens, fake_us)
+    if tokens < WS_FROM_TOKENS:
+        assert all(order == (None, None) for order in tried)
+        assert "GROUP_M" not in best["gate_up"] and "GROUP_M" not in best["down"]
+    else:
+        assert tried[-len(WS_GROUP_M):] == [(g, g) for g in WS_GROUP_M]
+        assert best["gate_up"]["GROUP_M"] == best["down"]["GROUP_M"] == 4 and best["us"] == 7.75
