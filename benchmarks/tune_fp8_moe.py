@@ -64,6 +64,12 @@ WS_LAUNCHES = {
 WS_GROUP_M = (1, 2, 4, 16)
 
 
+def with_group_m(config: dict, group_m: int) -> dict:
+    """``config`` with ``GROUP_M`` set on its warp-specialized launches (the Triton ones have no tile order)."""
+    return dict(config, **{stage: dict(config[stage], GROUP_M=group_m) for stage in ("gate_up", "down")
+                           if config[stage].get("KERNEL") == "sm90_ws"})
+
+
 def gemm_launches(tokens: int, stage: str, block_m: int):
     yield from GEMM_LAUNCHES
     if tokens <= NARROW_UP_TO_TOKENS:
@@ -131,10 +137,10 @@ def search(tokens: int, time_us) -> dict:
                     gate_up, gate_up_us = launch, us
                 if us < best["us"]:
                     best = dict(config, us=round(us, 2))
-    ws_stages = [stage for stage in ("gate_up", "down") if best[stage].get("KERNEL") == "sm90_ws"]
     winner = {key: value for key, value in best.items() if key != "us"}
-    for group_m in WS_GROUP_M if ws_stages else ():
-        config = dict(winner, **{stage: dict(winner[stage], GROUP_M=group_m) for stage in ws_stages})
+    ws = any(winner[stage].get("KERNEL") == "sm90_ws" for stage in ("gate_up", "down"))
+    for group_m in WS_GROUP_M if ws else ():
+        config = with_group_m(winner, group_m)
         us = time_us(config)
         if us is not None and us < best["us"]:
             best = dict(config, us=round(us, 2))
