@@ -56,6 +56,19 @@ def expert_weights(experts, rows, cols):
     return q, scale
 
 
+def routed_inputs(shape: str, token_counts):
+    """``(tokens, (x, w13, s13, w2, s2, weights, ids))`` for each of ``token_counts``: ``shape``'s experts
+    (``expert_weights``, made once) and ``tokens`` random bf16 rows routed at random (top k of a softmax,
+    int32 ids)."""
+    experts, top_k, hidden, inter = SHAPES[shape]
+    w13, s13 = expert_weights(experts, 2 * inter, hidden)
+    w2, s2 = expert_weights(experts, hidden, inter)
+    for tokens in token_counts:
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        weights, ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(top_k, dim=-1)
+        yield tokens, (x, w13, s13, w2, s2, weights, ids.to(torch.int32))
+
+
 def exact_moe(x, w13, s13, w2, s2, weights, ids):
     """The MoE in fp32 on the dequantized weights with unquantized activations: what both FP8 kernels
     approximate, so each one's own error (not only their difference) is known."""
@@ -150,12 +163,7 @@ def main():
     rows = []
     for shape in args.shapes:
         experts, top_k, hidden, inter = SHAPES[shape]
-        w13, s13 = expert_weights(experts, 2 * inter, hidden)
-        w2, s2 = expert_weights(experts, hidden, inter)
-        for tokens in args.tokens:
-            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-            weights, ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(top_k, dim=-1)
-            ids = ids.to(torch.int32)
+        for tokens, (x, w13, s13, w2, s2, weights, ids) in routed_inputs(shape, args.tokens):
             # Engines pass check_ids=False (their routers give valid ids): the check is a host synchronization.
             providers = {"latentspeed": lambda: fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, check_ids=False)}
             if args.ws:

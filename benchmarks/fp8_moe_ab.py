@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.fp8_moe import SHAPES, expert_weights
+from benchmarks.fp8_moe import SHAPES, routed_inputs
 from benchmarks.tune_fp8_moe import with_group_m
 from common_kernels.fp8 import fused_moe_fp8
 from common_kernels.fp8.moe import moe_config
@@ -105,13 +105,8 @@ def main() -> None:
     with open(args.out, "w") as out:
         for shape in args.shapes:
             experts, top_k, hidden, inter = SHAPES[shape]
-            w13, s13 = expert_weights(experts, 2 * inter, hidden)
-            w2, s2 = expert_weights(experts, hidden, inter)
-            for tokens in args.tokens:
-                x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-                weights, ids = torch.softmax(torch.randn(tokens, experts, device="cuda"), -1).topk(top_k, dim=-1)
-                inputs = (x, w13, s13, w2, s2, weights, ids.to(torch.int32))
-                config = moe_config(tokens, top_k, experts, hidden, inter, x.device)
+            for tokens, inputs in routed_inputs(shape, args.tokens):
+                config = moe_config(tokens, top_k, experts, hidden, inter, inputs[0].device)
                 calls = variants(base, inputs, config, args.group_m)
                 equal = equal_to_base(calls)
                 for name, times in timed_rounds(calls, args.rounds).items():

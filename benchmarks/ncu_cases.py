@@ -59,12 +59,7 @@ def norm_case(rows: str, cols: str, stats: str = ""):
 def moe_case(shape: str, tokens: str, provider: str = "latentspeed"):
     from benchmarks import fp8_moe
 
-    experts, top_k, hidden, inter = fp8_moe.SHAPES[shape]
-    w13, s13 = fp8_moe.expert_weights(experts, 2 * inter, hidden)
-    w2, s2 = fp8_moe.expert_weights(experts, hidden, inter)
-    x = torch.randn(int(tokens), hidden, device="cuda", dtype=torch.bfloat16)
-    weights, ids = torch.softmax(torch.randn(int(tokens), experts, device="cuda"), -1).topk(top_k, dim=-1)
-    args = (x, w13, s13, w2, s2, weights, ids.to(torch.int32))
+    _, args = next(fp8_moe.routed_inputs(shape, [int(tokens)]))
     if provider == "vLLM-Triton":
         return fp8_moe.vllm_fused(*args)
     return lambda: fused_moe_fp8(*args, check_ids=False)
