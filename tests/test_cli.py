@@ -50,7 +50,7 @@ def test_info_names_the_fp8_launch_table_of_the_gpu(monkeypatch):
                                                  "moe": "no GPU: the interpreter's launches"}
     h200 = _fp8_tables({"available": True, "name": "NVIDIA H200"})
     assert h200["gemm"].endswith("gemm_NVIDIA_H200.json (12 shapes tuned; others run the untuned defaults)")
-    assert h200["moe"].endswith("moe_NVIDIA_H200.json (2 shapes tuned; others run the untuned defaults)")
+    assert h200["moe"].endswith("moe_NVIDIA_H200.json (3 shapes tuned; others run the untuned defaults)")
     h100 = _fp8_tables({"available": True, "name": "NVIDIA H100 80GB HBM3"})
     assert h100["gemm"].endswith("gemm_NVIDIA_H100_80GB_HBM3.json (12 shapes tuned; others run the untuned defaults)")
     assert h100["moe"].endswith("moe_NVIDIA_H100_80GB_HBM3.json (2 shapes tuned; others run the untuned defaults)")
