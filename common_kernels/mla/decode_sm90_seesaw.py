@@ -50,13 +50,18 @@ odd tile ``b + 1`` in buffer 1.
   warpgroup 0 one buffer, used twice a pair; warpgroup 1 two, the second widened while its first
   ``P V`` runs.
 
+- With fp8 ``P V`` the tiles go through two pairs of buffers (``RING_PAIRS``, ``FP8_PV_RING_PAIRS``):
+  pair ``j`` in buffers ``2 (j % 2)`` and ``2 (j % 2) + 1``, refilled with pair ``j + 2``, so that each copy
+  is issued a whole pair before its scores instead of half a pair (Nsight Compute put 26 % of the
+  widened fp8 kernel's stall samples on waiting for a tile at 4k, ``benchmarks/notes.md``).
+
 Shared memory: bf16/fp16 caches, queries 72 KiB, two 64-token tiles 144 KiB, ``P0`` 8 KiB: 225.5
 KiB with the row vectors and barriers (``P1`` reuses the queries' RoPE part, which each warpgroup
-first loads into registers, wgmma's A operand from registers). fp8 caches: queries 36 KiB, tiles
-72 KiB, three fp8 ``P`` buffers 12 KiB: 121.8 KiB; widened, ``P0`` and ``P1`` 16 KiB and three widened
-halves 96 KiB: 221.8 KiB. ptxas for sm_90a: 240 registers, no spills over 16-bit caches; fp8 ``P V``
-248 registers (``FP8_PV_MAXNREG``; 108 bytes of spills at 240), no spills; widened, 240 and 36 bytes
-of spills (``python -m benchmarks.hopper_compile decode --heads 128``).
+first loads into registers, wgmma's A operand from registers). fp8 caches: queries 36 KiB, four
+tiles 144 KiB, three fp8 ``P`` buffers 12 KiB: 193.8 KiB; widened, two tiles 72 KiB, ``P0`` and ``P1``
+16 KiB and three widened halves 96 KiB: 221.8 KiB. ptxas for sm_90a: 240 registers, no spills over
+16-bit caches; fp8 ``P V`` 248 registers (``FP8_PV_MAXNREG``; 108 bytes of spills at 240), no spills;
+widened, 240 and 36 bytes of spills (``python -m benchmarks.hopper_compile decode --heads 128``).
 
 Measured on the H200 (``benchmarks/results/mla_decode-sm90-seesaw-2026-12-02.md``): over bf16 caches
 1.07-1.12x faster than the kernel it replaced and 1.09-1.25x FLASHMLA's time at batch 128,
@@ -103,6 +108,7 @@ _FP8_PV_WORKER_REGS = gl.constexpr(FP8_PV_MAXNREG)
 _DEFAULT_WARPS = gl.constexpr(NUM_WARPS)
 HALF = gl.constexpr(D_LATENT // 2)  # output columns a warpgroup owns
 USE_FP8_PV = 1  # fp8 caches: P V in fp8, V^T from registers (module docstring)
+FP8_PV_RING_PAIRS = 2  # with it, two pairs of tile buffers (room without the widened V): copies a pair ahead
 
 # Named barriers over both warpgroups (256 threads); Triton's own use ids 0, 1 and 2 + worker index.
 SYNC_SCALE0 = gl.constexpr("bar.sync 8, 256; mov.u32 $0, 0;")
@@ -123,9 +129,10 @@ def fp8_pv(cache_dtype: torch.dtype) -> bool:
 
 
 def launch_options(fp8_probs: bool) -> dict:
-    """The kernel's launch options beyond the common arguments: the warps, the register cap and
-    ``FP8_PV`` (``DecodePlan.fp8_probs``)."""
-    return dict(num_warps=NUM_WARPS, maxnreg=FP8_PV_MAXNREG if fp8_probs else MAXNREG, FP8_PV=fp8_probs)
+    """The kernel's launch options beyond the common arguments: the warps, the register cap,
+    ``FP8_PV`` (``DecodePlan.fp8_probs``) and with it ``FP8_PV_RING_PAIRS`` pairs of tile buffers."""
+    return dict(num_warps=NUM_WARPS, maxnreg=FP8_PV_MAXNREG if fp8_probs else MAXNREG, FP8_PV=fp8_probs,
+                RING_PAIRS=FP8_PV_RING_PAIRS if fp8_probs else 1)
 
 
 def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, d_latent: int, d_rope: int) -> bool:
@@ -251,7 +258,8 @@ def _rescaled(acc, acc_hi, factor, FP8_PV: gl.constexpr, o_rows: gl.constexpr):
 @gluon.jit
 def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, FP8_PV: gl.constexpr, NUM_HEADS: gl.constexpr,
                D_LATENT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-               DIRECT_OUT: gl.constexpr, TREE_MASK: gl.constexpr, PREFIX_ONLY: gl.constexpr):
+               DIRECT_OUT: gl.constexpr, TREE_MASK: gl.constexpr, PREFIX_ONLY: gl.constexpr,
+               RING_PAIRS: gl.constexpr):
     """Warpgroup ``WG``'s side of the schedule (module docstring); ``state`` is the kernel's tuple
     of shared buffers, pointers and scalars (a tuple, so that the constexprs passed beside it stay
     constexprs through ``warp_specialize``)."""
@@ -302,10 +310,10 @@ def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, FP8_PV: gl.constex
         kv_scale = 1.0
     p_scale = P_SCALE if FP8_PV else 1.0  # P's fp8 rounding happens at [0, P_SCALE]
 
-    _copy_part(kc0, kp0, bar0, start, end, cache_ptr, _page_of(bt_row, start, end, PAGE_SIZE), stride_cache_block,
-               stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
-    _copy_part(kc1, kp1, bar1, start + BLOCK_N, end, cache_ptr, _page_of(bt_row, start + BLOCK_N, end, PAGE_SIZE),
-               stride_cache_block, stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
+    for t in gl.static_range(2 * RING_PAIRS):  # the first pairs' tiles, one buffer each
+        _copy_part(kc_ring.index(t), kp_ring.index(t), full_bars.index(t), start + t * BLOCK_N, end, cache_ptr,
+                   _page_of(bt_row, start + t * BLOCK_N, end, PAGE_SIZE), stride_cache_block, stride_cache_tok, WG,
+                   PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
     if WG == 0:
         s = _scores(qn_smem, q_pe, kc0, kp0, bar0, 0, BLOCK_N, mma_s)
     else:
@@ -320,11 +328,16 @@ def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, FP8_PV: gl.constex
     for j in range(gl.cdiv(n_tiles, 2)):
         b = 2 * j
         z = _opaque_zero()
+        base = 2 * (j % RING_PAIRS)  # this pair's two buffers
+        ahead = 2 * RING_PAIRS  # the refills take tiles b + ahead and b + ahead + 1, into the same buffers
         qn_smem = qn_ring.index(z)
-        kc0 = kc_ring.index(z)
-        kp0 = kp_ring.index(z)
-        kc1 = kc_ring.index(z + 1)
-        kp1 = kp_ring.index(z + 1)
+        kc0 = kc_ring.index(z + base)
+        kp0 = kp_ring.index(z + base)
+        kc1 = kc_ring.index(z + base + 1)
+        kp1 = kp_ring.index(z + base + 1)
+        bar0 = full_bars.index(base)
+        bar1 = full_bars.index(base + 1)
+        nbase = 2 * ((j + 1) % RING_PAIRS)  # the next pair's, whose scores this iteration issues
         if FP8_PV:  # _pv_half reads this warpgroup's latent chunks of the whole tile
             v_own = kc0 if WG == 0 else kc1
             v_other = kc1 if WG == 0 else kc0
@@ -334,9 +347,9 @@ def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, FP8_PV: gl.constex
         else:
             v_own = kc1.slice(HALF, HALF, dim=1)
             v_other = kc0.slice(HALF, HALF, dim=1)
-        page_a = _page_of(bt_row, start + (b + 2) * BLOCK_N, end, PAGE_SIZE)
-        page_b = _page_of(bt_row, start + (b + 3) * BLOCK_N, end, PAGE_SIZE)
-        phase = (j + 1) & 1
+        page_a = _page_of(bt_row, start + (b + ahead) * BLOCK_N, end, PAGE_SIZE)
+        page_b = _page_of(bt_row, start + (b + ahead + 1) * BLOCK_N, end, PAGE_SIZE)
+        phase = ((j + 1) // RING_PAIRS) & 1  # of the next pair's buffers: their fill count
         if WG == 0:
             m_old = m_smem.load(rows_s)
             s = _masked(s * score_scale, b, start, end, draft_start, row_s, mask_bits, NUM_HEADS, BLOCK_N,
@@ -372,7 +385,7 @@ def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, FP8_PV: gl.constex
             p0_smem.store((p.to(gl.float32) * scale1[:, None]).to(dtype))
             fence_async_shared()
             _named_barrier(ARRIVE_P0)
-            _copy_part(kc0, kp0, bar0, start + (b + 2) * BLOCK_N, end, cache_ptr, page_a, stride_cache_block,
+            _copy_part(kc0, kp0, bar0, start + (b + ahead) * BLOCK_N, end, cache_ptr, page_a, stride_cache_block,
                        stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
             if IS_FP8 and not FP8_PV:  # P0 V0_L is done: the buffer takes V1_L
                 _widen(v_other, v_bufs[0])
@@ -382,14 +395,16 @@ def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, FP8_PV: gl.constex
             acc, acc_hi = _rescaled(acc, acc_hi, scale_smem[1].load(o_rows) if FP8_PV else scale1, FP8_PV, o_rows)
             acc, acc_hi = _pv_half(v_other, WG, p1_smem.permute([1, 0]) if FP8_PV else p1_smem, acc, acc_hi, FP8_PV,
                                    v_ops, v_words)
-            s = _scores(qn_smem, q_pe, kc0, kp0, bar0, phase, BLOCK_N, mma_s)
+            kn = kc_ring.index(z + nbase)
+            pn = kp_ring.index(z + nbase)
+            s = _scores(qn_smem, q_pe, kn, pn, full_bars.index(nbase), phase, BLOCK_N, mma_s)
             if FP8_PV:  # the P V of both chunks, then the two score wgmma
                 acc, acc_hi, _, _ = warpgroup_mma_wait(num_outstanding=2, deps=[acc, acc_hi, p1_smem, v_other])
             else:
                 acc, _, _ = warpgroup_mma_wait(num_outstanding=2, deps=[acc, p1_smem, v_other])
-            _copy_part(kc1, kp1, bar1, start + (b + 3) * BLOCK_N, end, cache_ptr, page_b, stride_cache_block,
+            _copy_part(kc1, kp1, bar1, start + (b + ahead + 1) * BLOCK_N, end, cache_ptr, page_b, stride_cache_block,
                        stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
-            s, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, kc0, kp0])
+            s, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, kn, pn])
         else:
             _named_barrier(SYNC_SCALE0)
             m_old = m_smem.load(rows_s)
@@ -433,16 +448,23 @@ def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, FP8_PV: gl.constex
                 acc, acc_hi, _ = warpgroup_mma_wait(num_outstanding=2, deps=[acc, acc_hi, v_own])
             else:
                 acc, _ = warpgroup_mma_wait(num_outstanding=1, deps=[acc, v_own])
-            _copy_part(kc1, kp1, bar1, start + (b + 3) * BLOCK_N, end, cache_ptr, page_b, stride_cache_block,
+            _copy_part(kc1, kp1, bar1, start + (b + ahead + 1) * BLOCK_N, end, cache_ptr, page_b, stride_cache_block,
                        stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
             if FP8_PV:
                 acc, acc_hi, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc_hi, p0_smem, v_other])
             else:
                 acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p0_smem, v_other])
-            _copy_part(kc0, kp0, bar0, start + (b + 2) * BLOCK_N, end, cache_ptr, page_a, stride_cache_block,
+            _copy_part(kc0, kp0, bar0, start + (b + ahead) * BLOCK_N, end, cache_ptr, page_a, stride_cache_block,
                        stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
-            s = _scores(qn_smem, q_pe, kc1, kp1, bar1, phase, BLOCK_N, mma_s)
-            s, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, kc1, kp1])
+            kn = kc_ring.index(z + nbase + 1)
+            pn = kp_ring.index(z + nbase + 1)
+            s = _scores(qn_smem, q_pe, kn, pn, full_bars.index(nbase + 1), phase, BLOCK_N, mma_s)
+            s, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, kn, pn])
+
+    if RING_PAIRS == 2:  # the copies of the pair after the last scores issued: nobody has waited for them
+        last = gl.cdiv(n_tiles, 2) + 1
+        mbarrier.wait(full_bars.index(2 * (last % 2)), (last // 2) & 1)
+        mbarrier.wait(full_bars.index(2 * (last % 2) + 1), (last // 2) & 1)
 
     # Both warpgroups' row sums are relative to the final maximum: add them through shared memory.
     l_smem[WG].store(l_i)
@@ -483,10 +505,11 @@ def mla_decode_split_kernel_sm90_seesaw(
     NUM_HEADS: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
     BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr, IS_FP8: gl.constexpr, FP8_QUERIES: gl.constexpr,
     DIRECT_OUT: gl.constexpr, TREE_MASK: gl.constexpr, VARLEN: gl.constexpr, PREFIX_ONLY: gl.constexpr,
-    KEYS_DENSE: gl.constexpr, FP8_PV: gl.constexpr = False,
+    KEYS_DENSE: gl.constexpr, FP8_PV: gl.constexpr = False, RING_PAIRS: gl.constexpr = 1,
 ):
     gl.static_assert(IS_FP8 == FP8_QUERIES and not KEYS_DENSE, "paged caches; fp8 ones with fp8 queries")
     gl.static_assert(not FP8_PV or IS_FP8, "fp8 P V: fp8 caches")
+    gl.static_assert(RING_PAIRS == 1 or (RING_PAIRS == 2 and FP8_PV), "a second pair of buffers: fp8 P V (room)")
     gl.static_assert(BLOCK_R == 64 and BLOCK_N == 64 and PAGE_SIZE % BLOCK_N == 0)
     gl.static_assert(D_LATENT == 2 * HALF and D_ROPE == 64)
     gl.static_assert(gl.num_warps() == _DEFAULT_WARPS, "warpgroup 0 is the default partition")
@@ -505,9 +528,9 @@ def mla_decode_split_kernel_sm90_seesaw(
     qn_ring.index(0).store(q_nope)
     qp_smem = gl.allocate_shared_memory(qk_ty, [BLOCK_R, D_ROPE],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_R, D_ROPE], qk_ty), q_pe)
-    kc_ring = gl.allocate_shared_memory(key_ty, [2, BLOCK_N, D_LATENT],
+    kc_ring = gl.allocate_shared_memory(key_ty, [2 * RING_PAIRS, BLOCK_N, D_LATENT],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], key_ty))
-    kp_ring = gl.allocate_shared_memory(key_ty, [2, BLOCK_N, D_ROPE],
+    kp_ring = gl.allocate_shared_memory(key_ty, [2 * RING_PAIRS, BLOCK_N, D_ROPE],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], key_ty))
     p0_smem = gl.allocate_shared_memory(dtype, [BLOCK_R, BLOCK_N],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], dtype))
@@ -540,9 +563,9 @@ def mla_decode_split_kernel_sm90_seesaw(
     else:
         p_own = p0_smem
         v_bufs = (p0_smem, p0_smem, p0_smem)
-    full_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(full_bars.index(0), count=256)
-    mbarrier.init(full_bars.index(1), count=256)
+    full_bars = gl.allocate_shared_memory(gl.int64, [2 * RING_PAIRS, 1], mbarrier.MBarrierLayout())
+    for t in gl.static_range(2 * RING_PAIRS):
+        mbarrier.init(full_bars.index(t), count=256)
     fence_async_shared()
 
     state = (qn_ring, qp_smem, kc_ring, kp_ring, p0_smem, m_smem, scale_smem, l_smem, full_bars,
@@ -552,7 +575,7 @@ def mla_decode_split_kernel_sm90_seesaw(
              (p1_buf, sscale_smem, v_bufs, kv_scale_ptr, p_own))
     gl.warp_specialize([
         (_warpgroup, (state, 0, IS_FP8, FP8_PV, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK,
-                      PREFIX_ONLY)),
+                      PREFIX_ONLY, RING_PAIRS)),
         (_warpgroup, (state, 1, IS_FP8, FP8_PV, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK,
-                      PREFIX_ONLY)),
+                      PREFIX_ONLY, RING_PAIRS)),
     ], [4], [_FP8_PV_WORKER_REGS if FP8_PV else _WORKER_REGS])
