@@ -139,8 +139,9 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
     extra, maxnreg, typed = {}, None, {}
     module = decode.sm90_kernel_for(plan.block_rows, keys_dtype, not keys_dense, page, 512, 64) if sm90 else None
     if module is decode_sm90_seesaw:
-        kernel, block_n, num_warps = module.mla_decode_split_kernel_sm90_seesaw, module.BLOCK_N, module.NUM_WARPS
-        maxnreg = module.MAXNREG
+        kernel, block_n = module.mla_decode_split_kernel_sm90_seesaw, module.BLOCK_N
+        extra = module.launch_options(plan.fp8_probs(keys_dtype))
+        num_warps, maxnreg = extra.pop("num_warps"), extra.pop("maxnreg")
     elif module is not None:
         kernel, block_n, num_warps = module.mla_decode_split_kernel_sm90_narrow, module.BLOCK_N, module.NUM_WARPS
         extra = module.launch_options(torch.empty(4, page, 576, dtype=keys_dtype), plan.fp8_probs(keys_dtype),

@@ -140,18 +140,21 @@ def _decode_kernel(gpu: dict) -> str:
     """Which MLA decode kernel runs here, and why."""
     import torch
 
-    from common_kernels.mla import decode_sm90_narrow
+    from common_kernels.mla import decode_sm90_narrow, decode_sm90_seesaw, sm90_common
     from common_kernels.mla.decode import sm90_kernel_enabled
 
     if not gpu["available"]:
         return "Triton (no GPU: the interpreter, with TRITON_INTERPRET=1)"
     if sm90_kernel_enabled(torch.device("cuda", 0)):
+        def pv(module) -> str:
+            return ("P V in fp8 over E4M3" if module.fp8_pv(torch.float8_e4m3fn)
+                    else f"P V in fp16, {sm90_common.FP8_PV_ENV}=0")
+
         tiles = ("fp8 tiles by TMA" if os.environ.get(decode_sm90_narrow.TMA_ENV, "1") != "0"
                  else f"cp.async tiles, {decode_sm90_narrow.TMA_ENV}=0")
-        tiles += (", P V in fp8 over E4M3" if decode_sm90_narrow.fp8_pv(torch.float8_e4m3fn)
-                  else f", P V in fp16, {decode_sm90_narrow.FP8_PV_ENV}=0")
-        return ("Gluon sm_90 kernels over paged caches with 64-token pages (decode_sm90_seesaw for 64-row "
-                f"groups, decode_sm90_narrow for 16 and 32: {tiles}), Triton for the rest")
+        return (f"Gluon sm_90 kernels over paged caches with 64-token pages (decode_sm90_seesaw for 64-row groups: "
+                f"{pv(decode_sm90_seesaw)}; decode_sm90_narrow for 16 and 32: {tiles}, {pv(decode_sm90_narrow)}), "
+                "Triton for the rest")
     if gpu["capability"] == "9.0":
         return "Triton (LATENTSPEED_MLA_DECODE_SM90=0)"
     return f"Triton (the Gluon kernel needs sm_90; this GPU is sm_{gpu['capability'].replace('.', '')})"

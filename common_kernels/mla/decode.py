@@ -294,8 +294,13 @@ class DecodePlan:
 
     def fp8_probs(self, cache_dtype: torch.dtype) -> bool:
         """Whether ``P V`` runs in fp8 (``P`` rounded to the cache's format) over a paged cache: fp8
-        caches in sm_90's row groups of 16 and 32 (``decode_sm90_narrow.fp8_pv``)."""
-        return self.sm90 and self.block_rows in decode_sm90_narrow.BLOCK_ROWS and decode_sm90_narrow.fp8_pv(cache_dtype)
+        caches on sm_90's kernels, in row groups of 16 and 32 (``decode_sm90_narrow.fp8_pv``) and of 64
+        (``decode_sm90_seesaw.fp8_pv``)."""
+        if not self.sm90:
+            return False
+        if self.block_rows in decode_sm90_narrow.BLOCK_ROWS:
+            return decode_sm90_narrow.fp8_pv(cache_dtype)
+        return self.block_rows == decode_sm90_seesaw.BLOCK_R and decode_sm90_seesaw.fp8_pv(cache_dtype)
 
     @property
     def row_groups(self) -> int:
@@ -603,7 +608,7 @@ def _launch_split(q_nope, q_pe, keys, block_table, seq_lens, kv_scale, tree_mask
               if plan.sm90 and sm90_kernel_enabled(keys.device) else None)
     if module is decode_sm90_seesaw:
         kernel, block_n = decode_sm90_seesaw.mla_decode_split_kernel_sm90_seesaw, decode_sm90_seesaw.BLOCK_N
-        options = dict(num_warps=decode_sm90_seesaw.NUM_WARPS, maxnreg=decode_sm90_seesaw.MAXNREG)
+        options = decode_sm90_seesaw.launch_options(plan.fp8_probs(keys.dtype))
     elif module is decode_sm90_narrow:
         kernel, block_n = decode_sm90_narrow.mla_decode_split_kernel_sm90_narrow, decode_sm90_narrow.BLOCK_N
         options = decode_sm90_narrow.launch_options(keys, plan.fp8_probs(keys.dtype), plan.paired)

@@ -24,7 +24,7 @@ wgmma's M and the query rows its N (one warpgroup, 4 warps):
   lower) after scaling by ``P_SCALE``, relative to a whole power-of-two shift (the column maximum
   rounded up), so that the rounding does not depend on which running or per-split maximum the
   shift came from (``reference.fp8_probs_weights``); ``V^T`` is loaded four latent bytes a word
-  with its rows reordered (``_v_row_latent``) so that no bytes move between threads. Against the
+  with its rows reordered (``sm90_common._v_row_latent``) so that no bytes move between threads. Against the
   fp16 ``P V`` (H200, both orders): E4M3 1.00-1.16x faster at one query token and 1.07-1.20x at
   two, for about 1.4e-2 more relative error
   (``benchmarks/results/mla_decode-sm90-narrow-fp8pv-2026-12-03.md``); E5M2 1.00-1.17x and
@@ -87,6 +87,7 @@ from ..fp8_format import FP8_DTYPES
 from .sm90_common import (
     D_LATENT,
     D_ROPE,
+    P_SCALE,
     V_CHUNK,
     _advance_ring,
     _refill_tma,
@@ -94,9 +95,13 @@ from .sm90_common import (
     _named_barrier,
     _page_of,
     _program_split,
+    _pv,
     _start_ring,
     _start_ring_tma,
+    _store_out,
+    _v_words,
     _wait_tile_tma,
+    fp8_pv_allowed,
 )
 
 BLOCK_ROWS = (16, 32)
@@ -112,8 +117,6 @@ NUM_BUFS = 2
 USE_TMA_FP8 = 1
 TMA_ENV = "LATENTSPEED_MLA_DECODE_TMA"  # "0": cp.async for every cache
 USE_FP8_PV = 1
-FP8_PV_ENV = "LATENTSPEED_MLA_DECODE_FP8_PV"  # "0": P V in fp16 (V widened) for fp8 caches too
-P_SCALE = gl.constexpr(256.0)  # P in [0, 1] to [0, 256]: normal in E4M3 and E5M2, below their maxima (448, 57344)
 PROGRAMS_PER_SM_FP8 = 2  # fp8 caches: 83 KiB of shared memory (32 rows: 94), 203-255 registers a thread
 # fp8 caches by bulk copies: one program a multiprocessor with two warpgroups taking turns at the tiles
 # of one ring of PAIRED_BUFS slots (192 KiB of shared memory; 32 rows: 204 KiB), instead of two programs,
@@ -157,7 +160,7 @@ def fp8_pv(cache_dtype: torch.dtype) -> bool:
     """Whether this kernel runs ``P V`` in fp8 over a cache of that dtype (fp8 caches, unless
     ``LATENTSPEED_MLA_DECODE_FP8_PV=0``): ``P`` relative to a whole power-of-two shift, times
     ``P_SCALE``, rounded to the cache's format (``reference.mla_decode_ref(..., fp8_probs=True)``)."""
-    return bool(USE_FP8_PV) and cache_dtype in FP8_DTYPES and os.environ.get(FP8_PV_ENV, "1") != "0"
+    return bool(USE_FP8_PV) and fp8_pv_allowed(cache_dtype)
 
 
 def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, d_latent: int, d_rope: int) -> bool:
@@ -205,38 +208,6 @@ def tma_options(cache: torch.Tensor) -> dict:
 
 
 @gluon.jit
-def _pv(tile, c: gl.constexpr, p_op, acc, IS_FP8: gl.constexpr, FP8_PV: gl.constexpr, v_ops: gl.constexpr,
-        v_words: gl.constexpr):
-    """Start ``acc += V^T P^T`` for latent chunk ``c`` (``V_CHUNK`` columns) of the cache ``tile``.
-    16-bit tiles: ``V^T`` read transposed from shared memory by wgmma. fp8 tiles: ``V^T`` loaded
-    into registers, with ``FP8_PV`` four latent bytes a word (``v_words``), its rows reordered
-    (``_v_row_latent``) so that the words need no exchange between threads and used as they are,
-    else a byte a load and widened to fp16. Returns the accumulator and ``V^T``'s operand (alive
-    until the wgmma is waited for)."""
-    if FP8_PV:
-        keys: gl.constexpr = tile.shape[0]
-        v = tile.slice(c * V_CHUNK, V_CHUNK, dim=1).load(v_words)  # [keys, V_CHUNK latent]
-        v = gl.permute(gl.reshape(v, [keys, 2, 2, 2, 2, 2, 2, 2]), [6, 1, 2, 7, 3, 4, 5, 0])
-        v_regs = gl.convert_layout(gl.reshape(v, [V_CHUNK, keys]), v_ops)
-        return warpgroup_mma(v_regs, p_op, acc, is_async=True), v_regs
-    v_t = tile.slice(c * V_CHUNK, V_CHUNK, dim=1).permute([1, 0])
-    if IS_FP8:
-        v_regs = v_t.load(v_ops).to(p_op.dtype)
-        return warpgroup_mma(v_regs, p_op, acc, is_async=True), v_regs
-    else:
-        return warpgroup_mma(v_t, p_op, acc, is_async=True), v_t
-
-
-@gluon.jit
-def _v_row_latent(m):
-    """The latent column (within its chunk) of row ``m`` of an fp8 tile's ``V^T`` operand: bits
-    (low first) ``m0 m1 m2 m3 m4 m5 m6`` hold latent bits ``l2 l3 l4 l0 l5 l6 l1``, so that each
-    thread's four rows (``m``, ``m + 8``, ``m + 64``, ``m + 72``) are four adjacent bytes of a key's
-    row."""
-    return ((m >> 3) & 1) | (((m >> 6) & 1) << 1) | ((m & 7) << 2) | (((m >> 4) & 3) << 5)
-
-
-@gluon.jit
 def _column_max(s, max_smem, BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr, mma_s: gl.constexpr):
     """The maximum of each column of ``S^T`` (keys along the 4 warps): each warp's own maximum into
     shared memory, one barrier, then each thread reads the four. (``gl.max(s, axis=0)`` takes two
@@ -245,16 +216,6 @@ def _column_max(s, max_smem, BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr, mma_s
     max_smem.store(per_warp)
     gl.thread_barrier()
     return gl.max(max_smem.load(mma_s), axis=0)
-
-
-@gluon.jit
-def _store_out(out, c: gl.constexpr, out_rows, out_mask, mma_o: gl.constexpr, FP8_PV: gl.constexpr):
-    """Chunk ``c`` of ``O^T`` to the output rows (``FP8_PV``: its rows in ``_v_row_latent``'s order)."""
-    offs_co = gl.arange(0, V_CHUNK, layout=gl.SliceLayout(1, mma_o))
-    if FP8_PV:
-        offs_co = _v_row_latent(offs_co)
-    offs_co += c * V_CHUNK
-    gl.store(out_rows + offs_co[:, None], out.to(out_rows.dtype.element_ty), mask=out_mask)
 
 
 @gluon.constexpr_function
@@ -312,11 +273,7 @@ def _tiles(smem, bars, kc_desc, kp_desc, cache_ptr, bt_row, stride_cache_block, 
     acc2 = gl.zeros([V_CHUNK, BLOCK_R], gl.float32, layout=mma_o)
     acc3 = gl.zeros([V_CHUNK, BLOCK_R], gl.float32, layout=mma_o)
     v_ops: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=4 if FP8_PV else 2)
-    # FP8_PV: V tiles [keys, latent] as v_ops holds them after _pv's reordering, four latent bytes a word
-    v_words: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [16, 0], [32, 0]],
-        lane_bases=[[4, 0], [8, 0], [0, 4], [0, 8], [0, 16]],
-        warp_bases=[[0, 32], [0, 64]], block_bases=[], shape=[BLOCK_N, V_CHUNK])
+    v_words: gl.constexpr = _v_words(BLOCK_N)
     s_zero = gl.zeros([BLOCK_N, BLOCK_R], gl.float32, layout=mma_s)
     offs_key = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_s))
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)

@@ -4,10 +4,11 @@ warpgroups in different phases (the schedule FlashMLA calls "seesaw").
 Same contract, arguments and partial outputs as ``decode._mla_decode_split_kernel`` (the module
 docstring of ``decode`` has the formula), for the launches it takes: ``BLOCK_R = 64`` rows, a
 paged cache with pages a multiple of 64 tokens (bf16/fp16, or fp8 with E4M3 queries as
-``DecodePlan.fp8_queries`` sets for 64-row groups; no dense keys), ``D_latent = 512``,
-``D_rope = 64``. ``decode.mla_decode`` sends those launches here on an sm_90 GPU with
-``num_warps=NUM_WARPS`` and ``maxnreg=MAXNREG``, and keeps the Triton kernel for the rest, for the
-interpreter and as the fallback (``LATENTSPEED_MLA_DECODE_SM90=0``).
+``DecodePlan.fp8_queries`` sets for 64-row groups, and ``P`` rounded to the cache's format as
+``DecodePlan.fp8_probs`` sets; no dense keys), ``D_latent = 512``, ``D_rope = 64``.
+``decode.mla_decode`` sends those launches here on an sm_90 GPU with ``launch_options``, and keeps
+the Triton kernel for the rest, for the interpreter and as the fallback
+(``LATENTSPEED_MLA_DECODE_SM90=0``).
 
 Why this schedule: with both warpgroups on every phase of a tile together (scores, softmax,
 ``P V``; the kernel this one replaced), the tensor cores idle while both run the softmax. Here
@@ -36,21 +37,37 @@ odd tile ``b + 1`` in buffer 1.
 - A tile below the split's end and below every row's first invisible key skips the mask.
 - fp8 caches: the scores are one fp8 wgmma over E4M3 queries (rounded as the Triton kernel rounds
   them, ``sm90_common._load_queries``) and the fp8 keys as they are in shared memory, scaled back
-  per row. fp8 wgmma reads only K-major operands, so each warpgroup widens its 256 columns of a
-  tile's latent part to fp16 (exact) into a buffer of its own for ``P V`` (``P`` in fp16):
+  per row. ``P V`` runs in fp8 too (``FP8_PV``, ``DecodePlan.fp8_probs``), as in
+  ``decode_sm90_narrow``: the maximum rounded up to a whole number, ``P`` times ``P_SCALE`` rounded to
+  the cache's format and written to shared memory (warpgroup 0 its own copy besides ``P0``), and
+  each warpgroup's output transposed, ``O^T = V^T P^T`` in two accumulators of ``V_CHUNK`` latent
+  rows, with ``V^T`` loaded from the tile into registers four latent bytes a word
+  (``sm90_common._pv``: fp8 wgmma reads only K-major operands from shared memory, and a tile's
+  latent part is K-major for ``Q K^T``, not for ``P V``). A row's rescale factors then run along the
+  accumulators' columns, read back from shared memory in that layout. With
+  ``LATENTSPEED_MLA_DECODE_FP8_PV=0`` (or ``USE_FP8_PV = 0``) ``P`` stays fp16 and each warpgroup
+  widens its 256 columns of a tile's latent part to fp16 (exact) into a buffer of its own instead:
   warpgroup 0 one buffer, used twice a pair; warpgroup 1 two, the second widened while its first
   ``P V`` runs.
 
+- With fp8 ``P V`` the tiles go through two pairs of buffers (``RING_PAIRS``, ``FP8_PV_RING_PAIRS``):
+  pair ``j`` in buffers ``2 (j % 2)`` and ``2 (j % 2) + 1``, refilled with pair ``j + 2``, so that each copy
+  is issued a whole pair before its scores instead of half a pair (Nsight Compute put 26 % of the
+  widened fp8 kernel's stall samples on waiting for a tile at 4k, ``benchmarks/notes.md``).
+
 Shared memory: bf16/fp16 caches, queries 72 KiB, two 64-token tiles 144 KiB, ``P0`` 8 KiB: 225.5
 KiB with the row vectors and barriers (``P1`` reuses the queries' RoPE part, which each warpgroup
-first loads into registers, wgmma's A operand from registers). fp8 caches: queries 36 KiB, tiles
-72 KiB, ``P0`` and ``P1`` 16 KiB, three widened halves 96 KiB: 221.8 KiB. ptxas for sm_90a: 240
-registers, no spills over 16-bit caches, 24 bytes of spill stores over fp8
-(``python -m benchmarks.hopper_compile decode --heads 128``).
+first loads into registers, wgmma's A operand from registers). fp8 caches: queries 36 KiB, four
+tiles 144 KiB, three fp8 ``P`` buffers 12 KiB: 193.8 KiB; widened, two tiles 72 KiB, ``P0`` and ``P1``
+16 KiB and three widened halves 96 KiB: 221.8 KiB. ptxas for sm_90a: 240 registers, no spills over
+16-bit caches; fp8 ``P V`` 248 registers (``FP8_PV_MAXNREG``; 108 bytes of spills at 240), no spills;
+widened, 240 and 36 bytes of spills (``python -m benchmarks.hopper_compile decode --heads 128``).
 
 Measured on the H200 (``benchmarks/results/mla_decode-sm90-seesaw-2026-12-02.md``): over bf16 caches
 1.07-1.12x faster than the kernel it replaced and 1.09-1.25x FLASHMLA's time at batch 128,
 128 heads; over fp8 caches 1.07-1.13x faster than the kernel it replaced.
+fp8 ``P V`` has not run on a GPU yet (built on 2026-12-05 without one; the widened path is the one
+measured there).
 """
 
 import torch
@@ -66,15 +83,32 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..fp8_format import FP8_DTYPES
 from .cache import HALF_DTYPES
-from .sm90_common import D_LATENT, D_ROPE, _load_queries, _named_barrier, _page_of, _program_split
+from .sm90_common import (
+    D_LATENT,
+    D_ROPE,
+    P_SCALE,
+    V_CHUNK,
+    _load_queries,
+    _named_barrier,
+    _page_of,
+    _program_split,
+    _pv,
+    _store_out,
+    _v_words,
+    fp8_pv_allowed,
+)
 
 BLOCK_R = 64
 BLOCK_N = 64
 NUM_WARPS = 4  # warpgroup 0; warpgroup 1 is a worker partition of 4 more
 MAXNREG = 240  # registers a thread, both warpgroups (no spills at 240; the launch's cap)
+FP8_PV_MAXNREG = 248  # with USE_FP8_PV: no spills at 248 (108 B at 240; sm_90a, ptxas of CUDA 13)
 _WORKER_REGS = gl.constexpr(MAXNREG)
+_FP8_PV_WORKER_REGS = gl.constexpr(FP8_PV_MAXNREG)
 _DEFAULT_WARPS = gl.constexpr(NUM_WARPS)
 HALF = gl.constexpr(D_LATENT // 2)  # output columns a warpgroup owns
+USE_FP8_PV = 1  # fp8 caches: P V in fp8, V^T from registers (module docstring)
+FP8_PV_RING_PAIRS = 2  # with it, two pairs of tile buffers (room without the widened V): copies a pair ahead
 
 # Named barriers over both warpgroups (256 threads); Triton's own use ids 0, 1 and 2 + worker index.
 SYNC_SCALE0 = gl.constexpr("bar.sync 8, 256; mov.u32 $0, 0;")
@@ -86,6 +120,19 @@ ARRIVE_P0 = gl.constexpr("bar.arrive 10, 256; mov.u32 $0, 0;")
 SYNC_P0_ISSUED = gl.constexpr("bar.sync 11, 256; mov.u32 $0, 0;")
 ARRIVE_P0_ISSUED = gl.constexpr("bar.arrive 11, 256; mov.u32 $0, 0;")
 SYNC_END = gl.constexpr("bar.sync 12, 256; mov.u32 $0, 0;")
+
+
+def fp8_pv(cache_dtype: torch.dtype) -> bool:
+    """Whether this kernel runs ``P V`` in fp8 over a cache of that dtype (``USE_FP8_PV``, and
+    ``sm90_common.fp8_pv_allowed``): ``P`` as in ``decode_sm90_narrow.fp8_pv``."""
+    return bool(USE_FP8_PV) and fp8_pv_allowed(cache_dtype)
+
+
+def launch_options(fp8_probs: bool) -> dict:
+    """The kernel's launch options beyond the common arguments: the warps, the register cap,
+    ``FP8_PV`` (``DecodePlan.fp8_probs``) and with it ``FP8_PV_RING_PAIRS`` pairs of tile buffers."""
+    return dict(num_warps=NUM_WARPS, maxnreg=FP8_PV_MAXNREG if fp8_probs else MAXNREG, FP8_PV=fp8_probs,
+                RING_PAIRS=FP8_PV_RING_PAIRS if fp8_probs else 1)
 
 
 def fits(block_rows: int, keys_dtype: torch.dtype, paged: bool, page_size: int, d_latent: int, d_rope: int) -> bool:
@@ -182,9 +229,37 @@ def _mask(s, n0, end, draft_start, row_s, mask_bits, NUM_HEADS: gl.constexpr, BL
 
 
 @gluon.jit
-def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, NUM_HEADS: gl.constexpr, D_LATENT: gl.constexpr,
-               D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT_OUT: gl.constexpr,
-               TREE_MASK: gl.constexpr, PREFIX_ONLY: gl.constexpr):
+def _pv_half(tile, WG: gl.constexpr, p_op, acc, acc_hi, FP8_PV: gl.constexpr, v_ops: gl.constexpr,
+             v_words: gl.constexpr):
+    """Start this warpgroup's ``P V`` over its half of the latent columns of ``tile``: ``FP8_PV``,
+    ``O^T += V^T P^T`` in two ``V_CHUNK`` accumulators (``acc``, ``acc_hi``; ``V^T`` from registers,
+    ``_pv``), ``p_op`` being ``P^T`` in shared memory; else ``O += P V`` in one (``tile`` the widened
+    or 16-bit half, ``acc_hi`` passed through)."""
+    if FP8_PV:
+        acc, _ = _pv(tile, 2 * WG, p_op, acc, True, True, v_ops, v_words)
+        acc_hi, _ = _pv(tile, 2 * WG + 1, p_op, acc_hi, True, True, v_ops, v_words)
+    else:
+        acc = warpgroup_mma(p_op, tile, acc, is_async=True)
+    return acc, acc_hi
+
+
+@gluon.jit
+def _rescaled(acc, acc_hi, factor, FP8_PV: gl.constexpr, o_rows: gl.constexpr):
+    """The output accumulators times a factor per query row: ``factor`` along the columns of ``O^T``
+    (``FP8_PV``), else along the rows of ``O`` (``o_rows``)."""
+    if FP8_PV:
+        acc = acc * factor[None, :]
+        acc_hi = acc_hi * factor[None, :]
+    else:
+        acc = acc * gl.convert_layout(factor, o_rows)[:, None]
+    return acc, acc_hi
+
+
+@gluon.jit
+def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, FP8_PV: gl.constexpr, NUM_HEADS: gl.constexpr,
+               D_LATENT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+               DIRECT_OUT: gl.constexpr, TREE_MASK: gl.constexpr, PREFIX_ONLY: gl.constexpr,
+               RING_PAIRS: gl.constexpr):
     """Warpgroup ``WG``'s side of the schedule (module docstring); ``state`` is the kernel's tuple
     of shared buffers, pointers and scalars (a tuple, so that the constexprs passed beside it stay
     constexprs through ``warp_specialize``)."""
@@ -192,14 +267,23 @@ def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, NUM_HEADS: gl.cons
      tree_mask_ptr, out_ptr, lse_ptr, qk_scale_log2, pid_g, pid_s, pid_b, q_start, q_len, draft_start, start, end,
      stride_cache_block, stride_cache_tok, stride_bt_b, stride_out_t, stride_out_h, stride_out_s, stride_lse_t,
      stride_lse_h, fp8_state) = state
-    (p1_buf, sscale_smem, v_bufs, kv_scale_ptr) = fp8_state
-    dtype: gl.constexpr = p0_smem.dtype  # P V's operands: the cache's 16-bit type, fp16 over fp8 caches
+    (p1_buf, sscale_smem, v_bufs, kv_scale_ptr, p_own) = fp8_state
+    dtype: gl.constexpr = p0_smem.dtype  # P V's operands: the cache's 16-bit type, fp16 over fp8 caches, or fp8
     mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_N, 32 if IS_FP8 else 16])
-    mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    if FP8_PV:  # O^T: [V_CHUNK latent, 64 rows] a chunk, two chunks a warpgroup; a row's factors along the columns
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
+        o_rows: gl.constexpr = gl.SliceLayout(0, mma_o)
+        acc_shape: gl.constexpr = [V_CHUNK, 64]
+    else:  # O: [64 rows, HALF latent]
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF, 16])
+        o_rows: gl.constexpr = gl.SliceLayout(1, mma_o)
+        acc_shape: gl.constexpr = [64, HALF]
     rows_s: gl.constexpr = gl.SliceLayout(1, mma_s)
-    rows_o: gl.constexpr = gl.SliceLayout(1, mma_o)
     p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
+    v_ops: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=4)
+    v_words: gl.constexpr = _v_words(BLOCK_N)
 
     row_s = pid_g * 64 + gl.arange(0, 64, layout=rows_s)
     if TREE_MASK:
@@ -214,7 +298,7 @@ def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, NUM_HEADS: gl.cons
     kp1 = kp_ring.index(1)
     bar0 = full_bars.index(0)
     bar1 = full_bars.index(1)
-    if IS_FP8:  # scores scaled per row (query scale, kv scale); V widened into fp16 buffers
+    if IS_FP8:  # scores scaled per row (query scale, kv scale); V widened into fp16 buffers, or P V in fp8
         q_pe = qp_smem
         p1_smem = p1_buf
         score_scale = sscale_smem.load(rows_s)[:, None]
@@ -224,42 +308,55 @@ def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, NUM_HEADS: gl.cons
         p1_smem = qp_smem
         score_scale = qk_scale_log2
         kv_scale = 1.0
+    p_scale = P_SCALE if FP8_PV else 1.0  # P's fp8 rounding happens at [0, P_SCALE]
 
-    _copy_part(kc0, kp0, bar0, start, end, cache_ptr, _page_of(bt_row, start, end, PAGE_SIZE), stride_cache_block,
-               stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
-    _copy_part(kc1, kp1, bar1, start + BLOCK_N, end, cache_ptr, _page_of(bt_row, start + BLOCK_N, end, PAGE_SIZE),
-               stride_cache_block, stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
+    for t in gl.static_range(2 * RING_PAIRS):  # the first pairs' tiles, one buffer each
+        _copy_part(kc_ring.index(t), kp_ring.index(t), full_bars.index(t), start + t * BLOCK_N, end, cache_ptr,
+                   _page_of(bt_row, start + t * BLOCK_N, end, PAGE_SIZE), stride_cache_block, stride_cache_tok, WG,
+                   PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
     if WG == 0:
         s = _scores(qn_smem, q_pe, kc0, kp0, bar0, 0, BLOCK_N, mma_s)
     else:
         s = _scores(qn_smem, q_pe, kc1, kp1, bar1, 0, BLOCK_N, mma_s)
     s, _, _, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, kc0, kc1, kp0, kp1])
 
-    acc = gl.zeros([64, HALF], gl.float32, layout=mma_o)
+    acc = gl.zeros(acc_shape, gl.float32, layout=mma_o)
+    acc_hi = gl.zeros([V_CHUNK, 64] if FP8_PV else [64], gl.float32,
+                      layout=mma_o if FP8_PV else rows_s)  # the second chunk of O^T; unused without FP8_PV
     l_i = gl.zeros([64], gl.float32, layout=rows_s)
     n_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     for j in range(gl.cdiv(n_tiles, 2)):
         b = 2 * j
         z = _opaque_zero()
+        base = 2 * (j % RING_PAIRS)  # this pair's two buffers
+        ahead = 2 * RING_PAIRS  # the refills take tiles b + ahead and b + ahead + 1, into the same buffers
         qn_smem = qn_ring.index(z)
-        kc0 = kc_ring.index(z)
-        kp0 = kp_ring.index(z)
-        kc1 = kc_ring.index(z + 1)
-        kp1 = kp_ring.index(z + 1)
-        if WG == 0:
+        kc0 = kc_ring.index(z + base)
+        kp0 = kp_ring.index(z + base)
+        kc1 = kc_ring.index(z + base + 1)
+        kp1 = kp_ring.index(z + base + 1)
+        bar0 = full_bars.index(base)
+        bar1 = full_bars.index(base + 1)
+        nbase = 2 * ((j + 1) % RING_PAIRS)  # the next pair's, whose scores this iteration issues
+        if FP8_PV:  # _pv_half reads this warpgroup's latent chunks of the whole tile
+            v_own = kc0 if WG == 0 else kc1
+            v_other = kc1 if WG == 0 else kc0
+        elif WG == 0:
             v_own = kc0.slice(0, HALF, dim=1)
             v_other = kc1.slice(0, HALF, dim=1)
         else:
             v_own = kc1.slice(HALF, HALF, dim=1)
             v_other = kc0.slice(HALF, HALF, dim=1)
-        page_a = _page_of(bt_row, start + (b + 2) * BLOCK_N, end, PAGE_SIZE)
-        page_b = _page_of(bt_row, start + (b + 3) * BLOCK_N, end, PAGE_SIZE)
-        phase = (j + 1) & 1
+        page_a = _page_of(bt_row, start + (b + ahead) * BLOCK_N, end, PAGE_SIZE)
+        page_b = _page_of(bt_row, start + (b + ahead + 1) * BLOCK_N, end, PAGE_SIZE)
+        phase = ((j + 1) // RING_PAIRS) & 1  # of the next pair's buffers: their fill count
         if WG == 0:
             m_old = m_smem.load(rows_s)
             s = _masked(s * score_scale, b, start, end, draft_start, row_s, mask_bits, NUM_HEADS, BLOCK_N,
                         TREE_MASK, PREFIX_ONLY, mma_s)
             m_new = gl.maximum(m_old, gl.max(s, axis=1))
+            if FP8_PV:  # a whole shift: P's fp8 rounding is then that of P relative to the final shift
+                m_new = gl.ceil(m_new)
             m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
             scale0 = gl.exp2(m_old - m_shift)
             p = gl.exp2(s - m_shift[:, None])
@@ -267,39 +364,58 @@ def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, NUM_HEADS: gl.cons
             m_smem.store(m_new)
             scale_smem[0].store(scale0)
             _named_barrier(ARRIVE_SCALE0)
-            p = p.to(dtype)  # kept as the wgmma operand and, rescaled, for warpgroup 1
-            if IS_FP8:
-                _widen(v_own, v_bufs[0])
-                v_own = v_bufs[0]
-            acc = acc * gl.convert_layout(scale0, rows_o)[:, None]
-            acc = warpgroup_mma(gl.convert_layout(p, p_operand), v_own, acc, is_async=True)
-            acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, v_own])
+            p = (p * p_scale).to(dtype)  # kept as the wgmma operand and, rescaled, for warpgroup 1
+            if FP8_PV:  # P^T as wgmma's B operand from shared memory; the factor read back along O^T's columns
+                p_own.store(p)
+                fence_async_shared()
+                gl.thread_barrier()
+                acc, acc_hi = _rescaled(acc, acc_hi, scale_smem[0].load(o_rows), FP8_PV, o_rows)
+                acc, acc_hi = _pv_half(v_own, WG, p_own.permute([1, 0]), acc, acc_hi, FP8_PV, v_ops, v_words)
+                acc, acc_hi, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc_hi, p_own, v_own])
+            else:
+                if IS_FP8:
+                    _widen(v_own, v_bufs[0])
+                    v_own = v_bufs[0]
+                acc, acc_hi = _rescaled(acc, acc_hi, scale0, FP8_PV, o_rows)
+                acc, acc_hi = _pv_half(v_own, WG, gl.convert_layout(p, p_operand), acc, acc_hi, FP8_PV, v_ops,
+                                       v_words)
+                acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, v_own])
             _named_barrier(SYNC_SCALE1)
             scale1 = scale_smem[1].load(rows_s)
             p0_smem.store((p.to(gl.float32) * scale1[:, None]).to(dtype))
             fence_async_shared()
             _named_barrier(ARRIVE_P0)
-            _copy_part(kc0, kp0, bar0, start + (b + 2) * BLOCK_N, end, cache_ptr, page_a, stride_cache_block,
+            _copy_part(kc0, kp0, bar0, start + (b + ahead) * BLOCK_N, end, cache_ptr, page_a, stride_cache_block,
                        stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
-            if IS_FP8:  # P0 V0_L is done: the buffer takes V1_L
+            if IS_FP8 and not FP8_PV:  # P0 V0_L is done: the buffer takes V1_L
                 _widen(v_other, v_bufs[0])
                 v_other = v_bufs[0]
             _named_barrier(SYNC_P0_ISSUED)  # P1 is in shared memory too
             l_i = l_i * scale1
-            acc = acc * gl.convert_layout(scale1, rows_o)[:, None]
-            acc = warpgroup_mma(p1_smem, v_other, acc, is_async=True)
-            s = _scores(qn_smem, q_pe, kc0, kp0, bar0, phase, BLOCK_N, mma_s)
-            acc, _, _ = warpgroup_mma_wait(num_outstanding=2, deps=[acc, p1_smem, v_other])
-            _copy_part(kc1, kp1, bar1, start + (b + 3) * BLOCK_N, end, cache_ptr, page_b, stride_cache_block,
+            acc, acc_hi = _rescaled(acc, acc_hi, scale_smem[1].load(o_rows) if FP8_PV else scale1, FP8_PV, o_rows)
+            acc, acc_hi = _pv_half(v_other, WG, p1_smem.permute([1, 0]) if FP8_PV else p1_smem, acc, acc_hi, FP8_PV,
+                                   v_ops, v_words)
+            kn = kc_ring.index(z + nbase)
+            pn = kp_ring.index(z + nbase)
+            s = _scores(qn_smem, q_pe, kn, pn, full_bars.index(nbase), phase, BLOCK_N, mma_s)
+            if FP8_PV:  # the P V of both chunks, then the two score wgmma
+                acc, acc_hi, _, _ = warpgroup_mma_wait(num_outstanding=2, deps=[acc, acc_hi, p1_smem, v_other])
+            else:
+                acc, _, _ = warpgroup_mma_wait(num_outstanding=2, deps=[acc, p1_smem, v_other])
+            _copy_part(kc1, kp1, bar1, start + (b + ahead + 1) * BLOCK_N, end, cache_ptr, page_b, stride_cache_block,
                        stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
-            s, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, kc0, kp0])
+            s, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, kn, pn])
         else:
             _named_barrier(SYNC_SCALE0)
             m_old = m_smem.load(rows_s)
             scale0 = scale_smem[0].load(rows_s)
+            if FP8_PV:
+                scale0_o = scale_smem[0].load(o_rows)
             s = _masked(s * score_scale, b + 1, start, end, draft_start, row_s, mask_bits, NUM_HEADS, BLOCK_N,
                         TREE_MASK, PREFIX_ONLY, mma_s)
             m_new = gl.maximum(m_old, gl.max(s, axis=1))
+            if FP8_PV:
+                m_new = gl.ceil(m_new)
             m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
             scale1 = gl.exp2(m_old - m_shift)
             p = gl.exp2(s - m_shift[:, None])
@@ -307,48 +423,73 @@ def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, NUM_HEADS: gl.cons
             m_smem.store(m_new)
             scale_smem[1].store(scale1)
             _named_barrier(ARRIVE_SCALE1)
-            p_half = p.to(dtype)
+            p_half = (p * p_scale).to(dtype)
             p1_smem.store(p_half)
             fence_async_shared()
-            if IS_FP8:
-                _widen(v_own, v_bufs[1])
-                v_own = v_bufs[1]
-            acc = acc * gl.convert_layout(scale0 * scale1, rows_o)[:, None]
-            acc = warpgroup_mma(gl.convert_layout(p_half, p_operand), v_own, acc, is_async=True)
-            if IS_FP8:  # while P1 V1_R runs
-                _widen(v_other, v_bufs[2])
-                v_other = v_bufs[2]
+            if FP8_PV:  # this warpgroup's P1 and scale1 read back by all its threads
+                gl.thread_barrier()
+                acc, acc_hi = _rescaled(acc, acc_hi, scale0_o * scale_smem[1].load(o_rows), FP8_PV, o_rows)
+                acc, acc_hi = _pv_half(v_own, WG, p1_smem.permute([1, 0]), acc, acc_hi, FP8_PV, v_ops, v_words)
+            else:
+                if IS_FP8:
+                    _widen(v_own, v_bufs[1])
+                    v_own = v_bufs[1]
+                acc, acc_hi = _rescaled(acc, acc_hi, scale0 * scale1, FP8_PV, o_rows)
+                acc, acc_hi = _pv_half(v_own, WG, gl.convert_layout(p_half, p_operand), acc, acc_hi, FP8_PV, v_ops,
+                                       v_words)
+                if IS_FP8:  # while P1 V1_R runs
+                    _widen(v_other, v_bufs[2])
+                    v_other = v_bufs[2]
             _named_barrier(SYNC_P0)
-            acc = warpgroup_mma(p0_smem, v_other, acc, is_async=True)
+            acc, acc_hi = _pv_half(v_other, WG, p0_smem.permute([1, 0]) if FP8_PV else p0_smem, acc, acc_hi, FP8_PV,
+                                   v_ops, v_words)
             _named_barrier(ARRIVE_P0_ISSUED)
-            acc, _ = warpgroup_mma_wait(num_outstanding=1, deps=[acc, v_own])
-            _copy_part(kc1, kp1, bar1, start + (b + 3) * BLOCK_N, end, cache_ptr, page_b, stride_cache_block,
+            if FP8_PV:  # two wgmma for each of P1 V1_R and P0 V0_R
+                acc, acc_hi, _ = warpgroup_mma_wait(num_outstanding=2, deps=[acc, acc_hi, v_own])
+            else:
+                acc, _ = warpgroup_mma_wait(num_outstanding=1, deps=[acc, v_own])
+            _copy_part(kc1, kp1, bar1, start + (b + ahead + 1) * BLOCK_N, end, cache_ptr, page_b, stride_cache_block,
                        stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
-            acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p0_smem, v_other])
-            _copy_part(kc0, kp0, bar0, start + (b + 2) * BLOCK_N, end, cache_ptr, page_a, stride_cache_block,
+            if FP8_PV:
+                acc, acc_hi, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, acc_hi, p0_smem, v_other])
+            else:
+                acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p0_smem, v_other])
+            _copy_part(kc0, kp0, bar0, start + (b + ahead) * BLOCK_N, end, cache_ptr, page_a, stride_cache_block,
                        stride_cache_tok, WG, PAGE_SIZE, BLOCK_N, D_LATENT, D_ROPE)
-            s = _scores(qn_smem, q_pe, kc1, kp1, bar1, phase, BLOCK_N, mma_s)
-            s, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, kc1, kp1])
+            kn = kc_ring.index(z + nbase + 1)
+            pn = kp_ring.index(z + nbase + 1)
+            s = _scores(qn_smem, q_pe, kn, pn, full_bars.index(nbase + 1), phase, BLOCK_N, mma_s)
+            s, _, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=[s, qn_smem, kn, pn])
+
+    if RING_PAIRS == 2:  # the copies of the pair after the last scores issued: nobody has waited for them
+        last = gl.cdiv(n_tiles, 2) + 1
+        mbarrier.wait(full_bars.index(2 * (last % 2)), (last // 2) & 1)
+        mbarrier.wait(full_bars.index(2 * (last % 2) + 1), (last // 2) & 1)
 
     # Both warpgroups' row sums are relative to the final maximum: add them through shared memory.
     l_smem[WG].store(l_i)
     _named_barrier(SYNC_END)
-    l_i = l_i + l_smem[1 - WG].load(rows_s)
-    m_i = m_smem.load(rows_s)
-    has_keys = l_i > 0.0
-    safe_l = gl.where(has_keys, l_i, 1.0)
-    out = acc * gl.convert_layout(kv_scale / safe_l, rows_o)[:, None]
-
-    row_o = pid_g * 64 + gl.arange(0, 64, layout=rows_o)
-    out_rows = (q_start + row_o // NUM_HEADS)[:, None] * stride_out_t + (row_o % NUM_HEADS)[:, None] * stride_out_h
-    offs_co = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, mma_o))
-    out_mask = (row_o < q_len * NUM_HEADS)[:, None]
-    if DIRECT_OUT:
-        gl.store(out_ptr + out_rows + offs_co[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    l_o = l_smem[0].load(o_rows) + l_smem[1].load(o_rows)  # the same order in both warpgroups
+    safe_l = gl.where(l_o > 0.0, l_o, 1.0)
+    row_o = pid_g * 64 + gl.arange(0, 64, layout=o_rows)
+    out_rows = (q_start + row_o // NUM_HEADS) * stride_out_t + (row_o % NUM_HEADS) * stride_out_h
+    if not DIRECT_OUT:
+        out_rows += pid_s * stride_out_s
+    out_ok = row_o < q_len * NUM_HEADS
+    out_scale = kv_scale / (safe_l * p_scale)
+    if FP8_PV:
+        _store_out(acc * out_scale[None, :], 2 * WG, out_ptr + out_rows[None, :], out_ok[None, :], mma_o, True)
+        _store_out(acc_hi * out_scale[None, :], 2 * WG + 1, out_ptr + out_rows[None, :], out_ok[None, :], mma_o,
+                   True)
     else:
-        gl.store(out_ptr + out_rows + pid_s * stride_out_s + offs_co[None, :], out, mask=out_mask)
+        offs_co = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, mma_o))
+        gl.store(out_ptr + out_rows[:, None] + offs_co[None, :],
+                 (acc * out_scale[:, None]).to(out_ptr.dtype.element_ty), mask=out_ok[:, None])
     if WG == 0:
-        lse = gl.where(has_keys, (m_i + gl.log2(safe_l)) * 0.6931471805599453, float("-inf"))  # ln 2
+        l_i = l_smem[0].load(rows_s) + l_smem[1].load(rows_s)
+        has_keys = l_i > 0.0
+        lse = gl.where(has_keys, (m_smem.load(rows_s) + gl.log2(gl.where(has_keys, l_i, 1.0))) * 0.6931471805599453,
+                       float("-inf"))  # ln 2
         lse_ptrs = lse_ptr + (q_start + row_s // NUM_HEADS) * stride_lse_t + (row_s % NUM_HEADS) * stride_lse_h
         if not DIRECT_OUT:
             lse_ptrs += pid_s
@@ -364,15 +505,17 @@ def mla_decode_split_kernel_sm90_seesaw(
     NUM_HEADS: gl.constexpr, D_LATENT: gl.constexpr, D_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
     BLOCK_R: gl.constexpr, BLOCK_N: gl.constexpr, IS_FP8: gl.constexpr, FP8_QUERIES: gl.constexpr,
     DIRECT_OUT: gl.constexpr, TREE_MASK: gl.constexpr, VARLEN: gl.constexpr, PREFIX_ONLY: gl.constexpr,
-    KEYS_DENSE: gl.constexpr,
+    KEYS_DENSE: gl.constexpr, FP8_PV: gl.constexpr = False, RING_PAIRS: gl.constexpr = 1,
 ):
     gl.static_assert(IS_FP8 == FP8_QUERIES and not KEYS_DENSE, "paged caches; fp8 ones with fp8 queries")
+    gl.static_assert(not FP8_PV or IS_FP8, "fp8 P V: fp8 caches")
+    gl.static_assert(RING_PAIRS == 1 or (RING_PAIRS == 2 and FP8_PV), "a second pair of buffers: fp8 P V (room)")
     gl.static_assert(BLOCK_R == 64 and BLOCK_N == 64 and PAGE_SIZE % BLOCK_N == 0)
     gl.static_assert(D_LATENT == 2 * HALF and D_ROPE == 64)
     gl.static_assert(gl.num_warps() == _DEFAULT_WARPS, "warpgroup 0 is the default partition")
     key_ty: gl.constexpr = cache_ptr.dtype.element_ty
     qk_ty: gl.constexpr = gl.float8e4nv if IS_FP8 else q_nope_ptr.dtype.element_ty
-    dtype: gl.constexpr = gl.float16 if IS_FP8 else q_nope_ptr.dtype.element_ty  # P V operands
+    dtype: gl.constexpr = key_ty if FP8_PV else (gl.float16 if IS_FP8 else q_nope_ptr.dtype.element_ty)  # P V's
 
     pid_g, pid_s, pid_b, q_start, q_len, draft_start, start, end = _program_split(
         q_start_ptr, seq_lens_ptr, uniform_q_len, BLOCK_N, VARLEN, PREFIX_ONLY)
@@ -385,9 +528,9 @@ def mla_decode_split_kernel_sm90_seesaw(
     qn_ring.index(0).store(q_nope)
     qp_smem = gl.allocate_shared_memory(qk_ty, [BLOCK_R, D_ROPE],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_R, D_ROPE], qk_ty), q_pe)
-    kc_ring = gl.allocate_shared_memory(key_ty, [2, BLOCK_N, D_LATENT],
+    kc_ring = gl.allocate_shared_memory(key_ty, [2 * RING_PAIRS, BLOCK_N, D_LATENT],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_LATENT], key_ty))
-    kp_ring = gl.allocate_shared_memory(key_ty, [2, BLOCK_N, D_ROPE],
+    kp_ring = gl.allocate_shared_memory(key_ty, [2 * RING_PAIRS, BLOCK_N, D_ROPE],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_ROPE], key_ty))
     p0_smem = gl.allocate_shared_memory(dtype, [BLOCK_R, BLOCK_N],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], dtype))
@@ -404,27 +547,35 @@ def mla_decode_split_kernel_sm90_seesaw(
         sscale_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_R], vec, qk_scale_log2 * kv_scale / q_scale)
         p1_buf = gl.allocate_shared_memory(dtype, [BLOCK_R, BLOCK_N],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], dtype))
+    else:
+        sscale_smem = m_smem
+        p1_buf = p0_smem
+    if FP8_PV:  # warpgroup 0's own P (V^T comes from registers: no widened buffers)
+        p_own = gl.allocate_shared_memory(dtype, [BLOCK_R, BLOCK_N],
+                                          gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], dtype))
+        v_bufs = (p0_smem, p0_smem, p0_smem)
+    elif IS_FP8:
+        p_own = p0_smem
         v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], dtype)
         v_bufs = (gl.allocate_shared_memory(dtype, [BLOCK_N, HALF], v_layout),
                   gl.allocate_shared_memory(dtype, [BLOCK_N, HALF], v_layout),
                   gl.allocate_shared_memory(dtype, [BLOCK_N, HALF], v_layout))
     else:
-        sscale_smem = m_smem
-        p1_buf = p0_smem
+        p_own = p0_smem
         v_bufs = (p0_smem, p0_smem, p0_smem)
-    full_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(full_bars.index(0), count=256)
-    mbarrier.init(full_bars.index(1), count=256)
+    full_bars = gl.allocate_shared_memory(gl.int64, [2 * RING_PAIRS, 1], mbarrier.MBarrierLayout())
+    for t in gl.static_range(2 * RING_PAIRS):
+        mbarrier.init(full_bars.index(t), count=256)
     fence_async_shared()
 
     state = (qn_ring, qp_smem, kc_ring, kp_ring, p0_smem, m_smem, scale_smem, l_smem, full_bars,
              cache_ptr, block_table_ptr, tree_mask_ptr, out_ptr, lse_ptr, qk_scale_log2,
              pid_g, pid_s, pid_b, q_start, q_len, draft_start, start, end, stride_cache_block, stride_cache_tok,
              stride_bt_b, stride_out_t, stride_out_h, stride_out_s, stride_lse_t, stride_lse_h,
-             (p1_buf, sscale_smem, v_bufs, kv_scale_ptr))
+             (p1_buf, sscale_smem, v_bufs, kv_scale_ptr, p_own))
     gl.warp_specialize([
-        (_warpgroup, (state, 0, IS_FP8, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK,
-                      PREFIX_ONLY)),
-        (_warpgroup, (state, 1, IS_FP8, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK,
-                      PREFIX_ONLY)),
-    ], [4], [_WORKER_REGS])
+        (_warpgroup, (state, 0, IS_FP8, FP8_PV, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK,
+                      PREFIX_ONLY, RING_PAIRS)),
+        (_warpgroup, (state, 1, IS_FP8, FP8_PV, NUM_HEADS, D_LATENT, D_ROPE, PAGE_SIZE, BLOCK_N, DIRECT_OUT, TREE_MASK,
+                      PREFIX_ONLY, RING_PAIRS)),
+    ], [4], [_FP8_PV_WORKER_REGS if FP8_PV else _WORKER_REGS])

@@ -1,16 +1,36 @@
 """What the Gluon decode kernels for sm_90 share: the latent and RoPE widths they take, a
 program's split of the keys, the page lookup, the rings of cache tiles of ``decode_sm90_narrow``
-(``cp.async`` per row, or bulk tensor copies) and the query load with the fp8 caches' query
-rounding (both kernels).
+(``cp.async`` per row, or bulk tensor copies), the query load with the fp8 caches' query
+rounding, and ``P V`` as ``O^T = V^T P^T`` with ``V^T`` from registers (``_pv``; in fp8 over fp8
+caches, ``FP8_PV``) and its output rows (``_store_out``) (both kernels).
 """
 
+import os
+
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+)
+
+from ..fp8_format import FP8_DTYPES
 
 D_LATENT = 512
 D_ROPE = 64
 V_CHUNK = gl.constexpr(128)  # fp8 caches: latent columns widened per step (bounds the registers it takes)
+FP8_PV_ENV = "LATENTSPEED_MLA_DECODE_FP8_PV"  # "0": P V in fp16 (V widened) over fp8 caches, in both kernels
+P_SCALE = gl.constexpr(256.0)  # P in [0, 1] to [0, 256]: normal in E4M3 and E5M2, below their maxima (448, 57344)
+
+
+def fp8_pv_allowed(cache_dtype: torch.dtype) -> bool:
+    """Whether ``P V`` may run in fp8 over a cache of that dtype: fp8 caches, unless
+    ``LATENTSPEED_MLA_DECODE_FP8_PV=0``. (Each kernel's ``fp8_pv`` adds its own switch.)"""
+    return cache_dtype in FP8_DTYPES and os.environ.get(FP8_PV_ENV, "1") != "0"
 
 
 @gluon.jit
@@ -200,3 +220,55 @@ def _load_queries(q_nope_ptr, q_pe_ptr, q_start, q_len, pid_g, stride_qn_t, stri
         q_nope = (q_nope.to(gl.float32) * q_scale[:, None]).to(gl.float8e4nv)
         q_pe = (q_pe.to(gl.float32) * q_scale[:, None]).to(gl.float8e4nv)
     return q_nope, q_pe, q_scale
+
+
+@gluon.constexpr_function
+def _v_words(BLOCK_N):
+    """fp8 ``P V``: a ``[BLOCK_N keys, V_CHUNK latent]`` tile part in the registers that ``_pv`` reorders into
+    ``V^T``'s wgmma operand (4 warps, ``BLOCK_N = 64``), four latent bytes a word."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [16, 0], [32, 0]],
+        lane_bases=[[4, 0], [8, 0], [0, 4], [0, 8], [0, 16]],
+        warp_bases=[[0, 32], [0, 64]], block_bases=[], shape=[BLOCK_N, V_CHUNK])
+
+
+@gluon.jit
+def _pv(tile, c: gl.constexpr, p_op, acc, IS_FP8: gl.constexpr, FP8_PV: gl.constexpr, v_ops: gl.constexpr,
+        v_words: gl.constexpr):
+    """Start ``acc += V^T P^T`` for latent chunk ``c`` (``V_CHUNK`` columns) of the cache ``tile``.
+    16-bit tiles: ``V^T`` read transposed from shared memory by wgmma. fp8 tiles: ``V^T`` loaded
+    into registers, with ``FP8_PV`` four latent bytes a word (``v_words``), its rows reordered
+    (``_v_row_latent``) so that the words need no exchange between threads and used as they are,
+    else a byte a load and widened to fp16. Returns the accumulator and ``V^T``'s operand (alive
+    until the wgmma is waited for)."""
+    if FP8_PV:
+        keys: gl.constexpr = tile.shape[0]
+        v = tile.slice(c * V_CHUNK, V_CHUNK, dim=1).load(v_words)  # [keys, V_CHUNK latent]
+        v = gl.permute(gl.reshape(v, [keys, 2, 2, 2, 2, 2, 2, 2]), [6, 1, 2, 7, 3, 4, 5, 0])
+        v_regs = gl.convert_layout(gl.reshape(v, [V_CHUNK, keys]), v_ops)
+        return warpgroup_mma(v_regs, p_op, acc, is_async=True), v_regs
+    v_t = tile.slice(c * V_CHUNK, V_CHUNK, dim=1).permute([1, 0])
+    if IS_FP8:
+        v_regs = v_t.load(v_ops).to(p_op.dtype)
+        return warpgroup_mma(v_regs, p_op, acc, is_async=True), v_regs
+    else:
+        return warpgroup_mma(v_t, p_op, acc, is_async=True), v_t
+
+
+@gluon.jit
+def _v_row_latent(m):
+    """The latent column (within its chunk) of row ``m`` of an fp8 tile's ``V^T`` operand: bits
+    (low first) ``m0 m1 m2 m3 m4 m5 m6`` hold latent bits ``l2 l3 l4 l0 l5 l6 l1``, so that each
+    thread's four rows (``m``, ``m + 8``, ``m + 64``, ``m + 72``) are four adjacent bytes of a key's
+    row."""
+    return ((m >> 3) & 1) | (((m >> 6) & 1) << 1) | ((m & 7) << 2) | (((m >> 4) & 3) << 5)
+
+
+@gluon.jit
+def _store_out(out, c: gl.constexpr, out_rows, out_mask, mma_o: gl.constexpr, FP8_PV: gl.constexpr):
+    """Chunk ``c`` of ``O^T`` to the output rows (``FP8_PV``: its rows in ``_v_row_latent``'s order)."""
+    offs_co = gl.arange(0, V_CHUNK, layout=gl.SliceLayout(1, mma_o))
+    if FP8_PV:
+        offs_co = _v_row_latent(offs_co)
+    offs_co += c * V_CHUNK
+    gl.store(out_rows + offs_co[:, None], out.to(out_rows.dtype.element_ty), mask=out_mask)

@@ -324,21 +324,28 @@ def test_sm90_kernel_routing():
         assert sm90_kernel_for(*shape) is None, shape
 
 
-def test_fp8_probs_only_on_the_narrow_kernel_over_fp8(monkeypatch):
-    """``P V`` in fp8 is planned for fp8 caches in sm_90's 16- and 32-row groups only, and
-    ``LATENTSPEED_MLA_DECODE_FP8_PV=0`` turns it off."""
-    from common_kernels.mla import decode_sm90_narrow
+def test_fp8_probs_on_the_sm90_kernels_over_fp8(monkeypatch):
+    """``P V`` in fp8 is planned for fp8 caches on sm_90's kernels (row groups of 16 and 32 on the narrow
+    kernel, of 64 on the two-phase one), each kernel's ``USE_FP8_PV`` turns its own off, and
+    ``LATENTSPEED_MLA_DECODE_FP8_PV=0`` both."""
+    from common_kernels.mla import decode_sm90_narrow, decode_sm90_seesaw, sm90_common
 
     def probs(heads, q_len, dtype, sm90=True):
         return plan_decode(4, heads, q_len, 4096, 132, cache_dtype=dtype, sm90=sm90).fp8_probs(dtype)
 
-    assert probs(16, 1, torch.float8_e4m3fn) and probs(16, 2, torch.float8_e4m3fn)
-    assert not probs(16, 4, torch.float8_e4m3fn) and not probs(128, 1, torch.float8_e4m3fn)
-    assert not probs(16, 1, torch.float8_e4m3fn, sm90=False)
-    assert probs(16, 1, torch.float8_e5m2) and probs(16, 2, torch.float8_e5m2)
-    assert not probs(16, 1, torch.bfloat16) and not probs(16, 1, torch.float16)
-    monkeypatch.setenv(decode_sm90_narrow.FP8_PV_ENV, "0")
-    assert not probs(16, 1, torch.float8_e4m3fn) and not probs(16, 1, torch.float8_e5m2)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert probs(16, 1, dtype) and probs(16, 2, dtype) and probs(16, 4, dtype) and probs(128, 1, dtype)
+        assert not probs(16, 1, dtype, sm90=False) and not probs(128, 1, dtype, sm90=False)
+    assert not probs(16, 1, torch.bfloat16) and not probs(128, 1, torch.float16)
+    monkeypatch.setattr(decode_sm90_seesaw, "USE_FP8_PV", 0)
+    assert probs(16, 1, torch.float8_e4m3fn) and not probs(128, 1, torch.float8_e4m3fn)
+    monkeypatch.setattr(decode_sm90_seesaw, "USE_FP8_PV", 1)
+    monkeypatch.setattr(decode_sm90_narrow, "USE_FP8_PV", 0)
+    assert not probs(16, 1, torch.float8_e4m3fn) and probs(128, 1, torch.float8_e4m3fn)
+    monkeypatch.setattr(decode_sm90_narrow, "USE_FP8_PV", 1)
+    monkeypatch.setenv(sm90_common.FP8_PV_ENV, "0")
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert not probs(16, 1, dtype) and not probs(128, 1, dtype)
 
 
 @pytest.mark.parametrize("fp8_dtype, half_step, subnormal_half_step",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke clocks kernels ncu bench bench-small paired-check tune-gemm tune-moe tune-tp8 tune-small untuned-ab fp8-bench fp8-bench-graph moe-bench moe-ws moe-gemms producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke clocks kernels ncu bench bench-small paired-check fp8pv-check tune-gemm tune-moe tune-tp8 tune-small untuned-ab fp8-bench fp8-bench-graph moe-bench moe-ws moe-gemms producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
 #                                         bundle on PYTHONPATH), fp8-bench-sglang moe-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8 sglang-e2e-w8-fused
 #                                         sglang-ct-e2e sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         wait-engine (until a staging call has touched /tmp/gpu-site-*/.ready),
@@ -91,6 +91,16 @@ for step in "$@"; do
           --ctx 512 1024 2048 4096 --cache e4m3 --both-orders \
           --out "$out/paired-ab-batch$batch.jsonl" 2>&1 | tail -n 2
       done ;;
+    fp8pv-check)  # the 64-row kernel's fp8 P V: its 128-head fp8 GPU tests, then A/Bs from the working tree against
+      # the widened fp16 P V (USE_FP8_PV=0) and against one pair of tile buffers (FP8_PV_RING_PAIRS=1), both orders
+      python3 -m pytest -q -p no:warnings -rf --tb=short tests/gpu/test_decode_sm90.py -k "H128 and (e4m3 or e5m2)" \
+        2>&1 | tail -n 12 | tee "$out/fp8pv-check.log"
+      python3 -m pytest -q -p no:warnings -rf --tb=short tests/gpu/test_kernels_full_size.py -k "H128 or tree or ragged" \
+        2>&1 | tail -n 12 | tee -a "$out/fp8pv-check.log"
+      python3 -m benchmarks.mla_decode_ab --base common_kernels/mla --base-set decode_sm90_seesaw.USE_FP8_PV=0 \
+        --heads 128 --q-len 1 2 --cache e4m3 e5m2 --both-orders --out "$out/fp8pv-ab.jsonl" 2>&1 | tail -n 3
+      python3 -m benchmarks.mla_decode_ab --base common_kernels/mla --base-set decode_sm90_seesaw.FP8_PV_RING_PAIRS=1 \
+        --heads 128 --q-len 1 2 --cache e4m3 --both-orders --out "$out/fp8pv-ring-ab.jsonl" 2>&1 | tail -n 3 ;;
     tune-gemm)
       python3 -m benchmarks.tune_fp8_gemm --out "$out/gemm_configs.json" 2>"$out/tune-gemm.err" | tee "$out/tune-gemm.log" \
         && export LATENTSPEED_FP8_GEMM_CONFIGS=$(realpath "$out")/gemm_configs.json ;;

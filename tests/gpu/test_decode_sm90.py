@@ -65,9 +65,8 @@ CACHES = {"bf16": (torch.bfloat16, torch.bfloat16), "fp16": (torch.float16, torc
 @pytest.mark.parametrize("num_heads", [128, 16], ids=lambda h: f"H{h}")
 def test_matches_reference_and_triton(monkeypatch, cache_name, page, num_splits, q_len, num_heads):
     """128 heads: 64-row groups; 16 heads: 16 and 32. fp8 caches: the reference rounds the
-    queries as both kernels do (``fp8_queries``), and at 16 heads the softmax numerators as the
-    narrow kernel does (``fp8_probs``, in the cache's format); the Triton kernel runs the same plan,
-    without the latter."""
+    queries as both kernels do (``fp8_queries``), and the softmax numerators as both kernels do
+    (``fp8_probs``, in the cache's format); the Triton kernel runs the same plan, without the latter."""
     cache_dtype, q_dtype = CACHES[cache_name]
     fp8 = cache_dtype.itemsize == 1
     kv_scale = torch.tensor([0.02], device="cuda") if fp8 else None
@@ -79,7 +78,7 @@ def test_matches_reference_and_triton(monkeypatch, cache_name, page, num_splits,
     args = (q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale)
     out, lse = _decode(monkeypatch, True, *args)
     fp8_probs = plan.fp8_probs(cache_dtype)
-    assert fp8_probs == (fp8 and num_heads == 16)
+    assert fp8_probs == fp8
     bound = fp8_flip_bound(q_nope, fp8_probs)
     ref, ref_lse = mla_decode_ref(*args[:6], kv_scale if fp8 else 1.0, fp8_queries=fp8, fp8_probs=fp8_probs,
                                   flip_bound=bound)

@@ -116,13 +116,17 @@ def test_tree_and_ragged_decode_full_size(cache_name):
     tree = random_tree_masks(3, 16, torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,)))))
     plan = _plan(3, 128, 16, 3000, cache_dtype)
     out, _ = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale, tree_mask=tree.cuda())
+    bound = fp8_flip_bound(q_nope, plan.fp8_probs(cache_dtype))  # the 16-token request's rows see a few keys
     ref, _ = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0, tree_mask=tree,
-                            fp8_queries=plan.fp8_queries(cache_dtype), fp8_probs=plan.fp8_probs(cache_dtype))
-    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="tree decode")
+                            fp8_queries=plan.fp8_queries(cache_dtype), fp8_probs=plan.fp8_probs(cache_dtype),
+                            flip_bound=bound)
+    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="tree decode", slack=bound)
 
     starts = torch.tensor([0, 40, 41, 48], dtype=torch.int32, device="cuda")
     plan = _plan(3, 128, 40, 3000, cache_dtype)
     out, _ = mla_decode(q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale=kv_scale, query_start_loc=starts)
+    bound = fp8_flip_bound(q_nope, plan.fp8_probs(cache_dtype))
     ref, _ = mla_decode_ref(q_nope, q_pe, cache, table, lens, 192**-0.5, kv_scale or 1.0, query_start_loc=starts,
-                            fp8_queries=plan.fp8_queries(cache_dtype), fp8_probs=plan.fp8_probs(cache_dtype))
-    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="ragged decode")
+                            fp8_queries=plan.fp8_queries(cache_dtype), fp8_probs=plan.fp8_probs(cache_dtype),
+                            flip_bound=bound)
+    assert_close(out, ref, atol=1e-2, rtol=2e-2, name="ragged decode", slack=bound)
