@@ -66,8 +66,10 @@ widened, 240 and 36 bytes of spills (``python -m benchmarks.hopper_compile decod
 Measured on the H200 (``benchmarks/results/mla_decode-sm90-seesaw-2026-12-02.md``): over bf16 caches
 1.07-1.12x faster than the kernel it replaced and 1.09-1.25x FLASHMLA's time at batch 128,
 128 heads; over fp8 caches 1.07-1.13x faster than the kernel it replaced.
-fp8 ``P V`` has not run on a GPU yet (built on 2026-12-05 without one; the widened path is the one
-measured there).
+Over fp8 caches with fp8 ``P V`` and two pairs of buffers, on an H100 at batch 128
+(``benchmarks/results/mla_decode-h128-fp8pv-h100-2026-12-05-s35.md``, both orders): 1.26-1.43x faster than the
+widened kernel (two pairs against one: 1.02-1.24x), for 1.7e-2 (E4M3) and 3.5e-2 (E5M2) more relative error;
+1.39-1.59x faster than this kernel over a bf16 cache and 1.04-1.09x FLASHMLA's fp8 time in the same process.
 """
 
 import torch
