@@ -1,6 +1,5 @@
 """``latentspeed eval``: the accuracy arithmetic on known inputs, and its input checks."""
 
-import json
 import math
 import subprocess
 import sys
