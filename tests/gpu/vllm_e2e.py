@@ -20,6 +20,7 @@ one engine per process:
   passes on fresh prompts, each pass kept in the report.
 
     python tests/gpu/vllm_e2e.py --group bf16 --workdir /tmp/e2e --out results.json
+    python tests/gpu/vllm_e2e.py --throughput-only FLASHMLA-fp8 latentspeed-fp8 --out throughput.json
 
 Exits non-zero when an agreement bound is exceeded.
 """
@@ -225,11 +226,9 @@ def driver(args, engine_names=tuple(ENGINES), pair_groups=PAIRS, script=__file__
 
     ``is_floor`` names the built-in whose pairs measure the floor between two correct built-ins.
     """
-    workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    model = str(workdir / ("tiny-dsv3" if args.widths == "tiny" else f"tiny-dsv3-{args.widths}-widths"))
-    if not (Path(model) / "config.json").exists():
-        make_tiny_deepseek_v3(model, widths=args.widths)
+    if args.throughput_only:
+        return throughput_only(args, engine_names, script, engine_env)
+    workdir, model = tiny_model(args)
     pairs = pair_groups[args.group]
     engines = sorted({e for pair in pairs for e in pair}, key=list(engine_names).index)
     runs = {}
@@ -272,7 +271,37 @@ def driver(args, engine_names=tuple(ENGINES), pair_groups=PAIRS, script=__file__
     for engine, run in runs.items():
         report["engines"][engine] = {k: run[k] for k in ("throughput", "prefix_cache_rerun", "fusion_matches")
                                      if k in run}
-    Path(args.out).write_text(json.dumps(report, indent=1))
+    write_report(report, args.out)
+    if failed:
+        raise SystemExit(f"agreement beyond twice the floor: {failed}")
+
+
+def tiny_model(args) -> tuple[Path, str]:
+    """The work folder and the tiny DeepSeek-V3 at ``args.widths`` inside it, built if missing."""
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = str(workdir / ("tiny-dsv3" if args.widths == "tiny" else f"tiny-dsv3-{args.widths}-widths"))
+    if not (Path(model) / "config.json").exists():
+        make_tiny_deepseek_v3(model, widths=args.widths)
+    return workdir, model
+
+
+def throughput_only(args, engine_names, script, engine_env):
+    """Time the engines named by ``--throughput-only`` and nothing else (no agreement)."""
+    unknown = [e for e in args.throughput_only if e not in engine_names]
+    if unknown:
+        raise SystemExit(f"--throughput-only: unknown engines {unknown}; known: {list(engine_names)}")
+    workdir, model = tiny_model(args)
+    report = {"throughput_only": True, "widths": args.widths, "engines": {}}
+    for engine in args.throughput_only:
+        run = run_engine(script, workdir, model, engine, engine_env, throughput=True, suffix="-throughput")
+        report["engines"][engine] = {k: run[k] for k in ("throughput", "fusion_matches") if k in run}
+    write_report(report, args.out)
+
+
+def write_report(report: dict, out: str):
+    """Write the report and print each engine's throughput, fusion matches and prefix-cache rerun."""
+    Path(out).write_text(json.dumps(report, indent=1))
     for engine, info in report["engines"].items():
         for t in info.get("throughput", []):
             print(f"[e2e] {engine:>22}: {t['requests']}x{t['prompt_len']}+{t['output_len']}: "
@@ -281,8 +310,6 @@ def driver(args, engine_names=tuple(ENGINES), pair_groups=PAIRS, script=__file__
             print(f"[e2e] {engine:>22}: fusion pass matches {info['fusion_matches']}")
         if "prefix_cache_rerun" in info:
             print(f"[e2e] {engine:>22}: prefix-cache rerun {info['prefix_cache_rerun']}")
-    if failed:
-        raise SystemExit(f"agreement beyond twice the floor: {failed}")
 
 
 def stated_floor(args) -> dict | None:
@@ -305,6 +332,8 @@ def parse_args(description: str, pair_groups: dict, workdir: str, out: str) -> a
     parser.add_argument("--workdir", default=workdir)
     parser.add_argument("--out", default=out)
     parser.add_argument("--throughput", action="store_true")
+    parser.add_argument("--throughput-only", nargs="+", metavar="ENGINE",
+                        help="time these engines' throughput alone, one process each: no agreement, no --group")
     parser.add_argument("--reuse", action="store_true", help="reuse decodes an earlier run left in --workdir")
     parser.add_argument("--widths", choices=sorted(WIDTHS), default="tiny",
                         help="the model's widths (examples/tiny_deepseek_v3.py): tiny, or DeepSeek-V3's own")
