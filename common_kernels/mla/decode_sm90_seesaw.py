@@ -23,9 +23,9 @@ odd tile ``b + 1`` in buffer 1.
   factor beside it. Per pair:
 
       wg0: softmax(S0) -> scale0 | O_L = O_L*scale0 + P0 V0_L | wait scale1 | P0*scale1 -> smem
-           | refill buffer 0 columns 0-255 | wait "P0 V0_R issued" | O_L = O_L*scale1 + P1 V1_L
+           | refill buffer 0 columns 0-255 | wait P1 | O_L = O_L*scale1 + P1 V1_L
            | issue S0' = Q K_{b+2}^T | (P1 V1_L done) refill buffer 1 columns 0-255
-      wg1: wait scale0 | softmax(S1) -> scale1 | P1 -> smem | O_R = O_R*scale0*scale1 + P1 V1_R
+      wg1: wait scale0 | softmax(S1) -> scale1 | P1 -> smem, signal P1 | O_R = O_R*scale0*scale1 + P1 V1_R
            | wait P0 | O_R += P0 V0_R | refill buffers 1 and 0 columns 256-575 | S1' = Q K_{b+3}^T
 
   While one warpgroup runs its softmax, the other's wgmma keep the tensor cores busy. The
@@ -120,8 +120,8 @@ SYNC_SCALE1 = gl.constexpr("bar.sync 9, 256; mov.u32 $0, 0;")
 ARRIVE_SCALE1 = gl.constexpr("bar.arrive 9, 256; mov.u32 $0, 0;")
 SYNC_P0 = gl.constexpr("bar.sync 10, 256; mov.u32 $0, 0;")
 ARRIVE_P0 = gl.constexpr("bar.arrive 10, 256; mov.u32 $0, 0;")
-SYNC_P0_ISSUED = gl.constexpr("bar.sync 11, 256; mov.u32 $0, 0;")
-ARRIVE_P0_ISSUED = gl.constexpr("bar.arrive 11, 256; mov.u32 $0, 0;")
+SYNC_P1 = gl.constexpr("bar.sync 11, 256; mov.u32 $0, 0;")
+ARRIVE_P1 = gl.constexpr("bar.arrive 11, 256; mov.u32 $0, 0;")
 SYNC_END = gl.constexpr("bar.sync 12, 256; mov.u32 $0, 0;")
 
 
@@ -393,7 +393,7 @@ def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, FP8_PV: gl.constex
             if IS_FP8 and not FP8_PV:  # P0 V0_L is done: the buffer takes V1_L
                 _widen(v_other, v_bufs[0])
                 v_other = v_bufs[0]
-            _named_barrier(SYNC_P0_ISSUED)  # P1 is in shared memory too
+            _named_barrier(SYNC_P1)
             l_i = l_i * scale1
             acc, acc_hi = _rescaled(acc, acc_hi, scale_smem[1].load(o_rows) if FP8_PV else scale1, FP8_PV, o_rows)
             acc, acc_hi = _pv_half(v_other, WG, p1_smem.permute([1, 0]) if FP8_PV else p1_smem, acc, acc_hi, FP8_PV,
@@ -429,6 +429,7 @@ def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, FP8_PV: gl.constex
             p_half = (p * p_scale).to(dtype)
             p1_smem.store(p_half)
             fence_async_shared()
+            _named_barrier(ARRIVE_P1)
             if FP8_PV:  # this warpgroup's P1 and scale1 read back by all its threads
                 gl.thread_barrier()
                 acc, acc_hi = _rescaled(acc, acc_hi, scale0_o * scale_smem[1].load(o_rows), FP8_PV, o_rows)
@@ -446,7 +447,6 @@ def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, FP8_PV: gl.constex
             _named_barrier(SYNC_P0)
             acc, acc_hi = _pv_half(v_other, WG, p0_smem.permute([1, 0]) if FP8_PV else p0_smem, acc, acc_hi, FP8_PV,
                                    v_ops, v_words)
-            _named_barrier(ARRIVE_P0_ISSUED)
             if FP8_PV:  # two wgmma for each of P1 V1_R and P0 V0_R
                 acc, acc_hi, _ = warpgroup_mma_wait(num_outstanding=2, deps=[acc, acc_hi, v_own])
             else:
