@@ -70,7 +70,9 @@ Over fp8 caches with fp8 ``P V`` and two pairs of buffers, on an H100 at batch 1
 (``benchmarks/results/mla_decode-h128-fp8pv-h100-2026-12-05-s35.md``, both orders): 1.26-1.43x faster than the
 widened kernel (two pairs against one: 1.02-1.24x), for 1.7e-2 (E4M3) and 3.5e-2 (E5M2) more relative error;
 1.39-1.59x faster than this kernel over a bf16 cache and 1.04-1.09x FLASHMLA's fp8 time in the same process; on the
-H200 (``benchmarks/results/mla_decode-h128-h200-2026-12-06-s37.md``) 1.39-1.54x and 1.05-1.10x.
+H200 (``benchmarks/results/mla_decode-h128-h200-2026-12-06-s37.md``) 1.39-1.54x and 1.05-1.10x. Then warpgroup 1
+signalled ``P1`` as soon as it was stored, not after issuing ``P0 V0_R``: 1.05x faster over fp8 caches in both
+orders, bf16 unchanged (H100, ``benchmarks/results/mla_decode-h128-early-p1-ab-h100-2026-12-06-s38.md``).
 """
 
 import torch
