@@ -37,7 +37,7 @@ def table(rows) -> str:
     return "\n".join(lines) + "\n\nRatios are speed-ups (their time / ours): above 1× ours is faster.\n"
 
 
-def plot(rows, path: str) -> None:
+def plot(rows, path: str, cards: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -62,7 +62,7 @@ def plot(rows, path: str) -> None:
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     axes.flat[0].legend()
-    fig.suptitle("MLA decode kernel time on one H200 (lower is better)")
+    fig.suptitle(f"MLA decode kernel time on one {cards} (lower is better)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
@@ -73,10 +73,12 @@ def main():
     parser.add_argument("--md", required=True)
     parser.add_argument("--png", required=True)
     args = parser.parse_args()
-    rows = [row for path in args.json for row in json.load(open(path))["rows"]]
+    runs = [json.load(open(path)) for path in args.json]
+    rows = [row for run in runs for row in run["rows"]]
+    cards = " / ".join(sorted({run.get("card", "unnamed card") for run in runs}))
     with open(args.md, "w") as f:
-        f.write(table(rows))
-    plot(rows, args.png)
+        f.write(f"Card: {cards}.\n\n" + table(rows))
+    plot(rows, args.png, cards)
 
 
 if __name__ == "__main__":
