@@ -104,9 +104,6 @@ def throughput(engine, num_requests, prompt_len, out_len, seed):
     def batch(s):
         return prompts(s, num_requests, prompt_len, prompt_len)
 
-    warm_up = {"max_new_tokens": 16, "ignore_eos": True}
-    engine.generate(input_ids=batch(seed + 99), sampling_params=warm_up)
-
     def run_pass(i):
         t0 = time.perf_counter()
         engine.generate(input_ids=batch(seed + 2 * i + 1), sampling_params={"max_new_tokens": 1, "ignore_eos": True})
