@@ -21,6 +21,7 @@ Weights keep vLLM's plain ``weight [N, K]`` / ``weight_scale_inv`` layout, so ML
 """
 
 import torch
+from vllm.config import get_current_vllm_config
 from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import Fp8BlockScaledMMLinearKernel
 from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import FP8ScaledMMLinearLayerConfig
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -62,6 +63,7 @@ from common_kernels.fp8 import (
     quantize_linear_weight,
     refuse_mismatched_dtypes,
 )
+from common_kernels.fp8.warmup import warm_up_linear, warm_up_moe, warmup_wanted
 from common_kernels.guard import fp8_guard
 
 from . import fusion
@@ -100,6 +102,9 @@ class LatentspeedBlockFp8Kernel(Fp8BlockScaledMMLinearKernel):
         params = self._get_layer_params(layer)
         scale = params.weight_scale if params.weight_scale_inv is None else params.weight_scale_inv
         check_block_scales(_name(layer), params.weight, scale)
+        if warmup_wanted(params.weight.device):  # every batch size's kernels, before vLLM's JIT monitor starts
+            max_tokens = get_current_vllm_config().scheduler_config.max_num_batched_tokens
+            warm_up_linear(params.weight, scale, max_tokens, self.config.input_dtype)
 
     def apply_block_scaled_mm(self, A, B, As, Bs):
         return torch.ops.latentspeed.block_fp8_linear(A, B, Bs)
@@ -219,6 +224,8 @@ class _LatentspeedMoE:
         replace_parameter(layer, f"w2_{self.weight_scale_name}", w2_scale)
         self.moe_quant_config = self.get_fused_moe_quant_config(layer)
         self.moe_kernel = None
+        warm_up_moe(w13, w13_scale, w2, w2_scale, self.moe.experts_per_token, self.moe.max_num_tokens,
+                    self.moe.in_dtype, layer.expert_map)
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         w13_scale, w2_scale = (getattr(layer, f"{w}_{self.weight_scale_name}") for w in ("w13", "w2"))

@@ -1,0 +1,93 @@
+"""Compile the block-FP8 layers' kernels before serving, for every batch of 1 to ``max_tokens`` tokens.
+
+Which kernels a layer launches for a batch of ``M`` tokens, and how Triton compiles them, depends on
+``M`` alone: the GEMM's and the MoE's configs are tuned per bucket of ``M``, some constexprs follow it
+(the MoE's alignment chunks), and Triton compiles integer arguments equal to 1 or divisible by 16
+apart. An engine's own warm-up runs a few batch sizes, so the others used to compile while serving:
+5-50 s stalls in timed passes (``benchmarks/results/vllm-e2e-throughput-h100-2026-12-06-s39.md``),
+and an error under vLLM's ``--jit-monitor-mode=error``. So these run the layer once at every ``M``,
+once per layer signature (shapes, dtypes, device), on zeros: later batches find their kernels compiled.
+
+Set ``LATENTSPEED_FP8_WARMUP=0`` to skip (start-up time against first-batch stalls). Launches still
+compile later where an engine hands over what a warm-up cannot foresee: inputs whose rows are not
+16-byte aligned, ``topk_ids`` of another integer type, batches larger than ``max_tokens``.
+"""
+
+import logging
+import os
+import time
+
+import torch
+
+from ..guard import fp8_guard
+from .linear import block_fp8_linear
+from .moe import fused_moe_fp8
+
+WARMUP_ENV = "LATENTSPEED_FP8_WARMUP"
+logger = logging.getLogger("latentspeed")
+_warmed: set[tuple] = set()
+
+
+def warmup_wanted(device: torch.device) -> bool:
+    """Whether to warm up on ``device``: a GPU (Triton's CPU interpreter compiles nothing) and
+    ``LATENTSPEED_FP8_WARMUP`` unset or ``1``; another value raises ``ValueError`` naming it."""
+    setting = os.environ.get(WARMUP_ENV, "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"{WARMUP_ENV}={setting!r}: use 1 (compile every batch size at load) or 0 (do not)")
+    return setting == "1" and device.type == "cuda"
+
+
+def _first_time(signature: tuple, device: torch.device) -> bool:
+    if signature in _warmed or not warmup_wanted(device):
+        return False
+    _warmed.add(signature)
+    return True
+
+
+def _done(device: torch.device, what: str, max_tokens: int, start: float) -> None:
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # the zeros and outputs: not to be counted as the model's memory by the engine
+    logger.info("latentspeed: %s warmed up for 1-%d tokens in %.1f s", what, max_tokens, time.perf_counter() - start)
+
+
+def warm_up_linear(weight: torch.Tensor, weight_scale: torch.Tensor, max_tokens: int, dtype: torch.dtype) -> bool:
+    """Run ``block_fp8_linear`` on ``[M, K]`` zeros of ``dtype`` for every ``M`` in ``1..max_tokens``
+    with this ``weight [N, K]`` (fp8) and ``weight_scale``, unless a layer of the same signature was
+    warmed already or ``warmup_wanted`` says no. Returns whether it ran."""
+    signature = ("linear", tuple(weight.shape), weight.dtype, weight_scale.dtype, dtype, max_tokens, weight.device)
+    if not _first_time(signature, weight.device):
+        return False
+    start = time.perf_counter()
+    x = torch.zeros(max_tokens, weight.shape[1], dtype=dtype, device=weight.device)
+    for m in range(1, max_tokens + 1):
+        block_fp8_linear(x[:m], weight, weight_scale)
+    del x
+    _done(weight.device, f"block-FP8 linear {list(weight.shape)}", max_tokens, start)
+    return True
+
+
+def warm_up_moe(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, top_k: int,
+                max_tokens: int, dtype: torch.dtype, expert_map: torch.Tensor | None = None,
+                ids_dtype: torch.dtype = torch.int32) -> bool:
+    """Run ``fused_moe_fp8`` on ``[M, H]`` zeros of ``dtype`` for every ``M`` in ``1..max_tokens``,
+    each token routed to ``top_k`` experts in turn (``topk_ids`` of ``ids_dtype``, as the engine's
+    router makes them; ``expert_map`` as the layer's; the device's fp8 guard counting, as the engine
+    adapters have it), unless a layer of the same signature was
+    warmed already or ``warmup_wanted`` says no. The launches depend on ``T * top_k`` and the
+    expert count, not on the routing. Returns whether it ran."""
+    experts, _, hidden = w13.shape
+    signature = ("moe", tuple(w13.shape), tuple(w2.shape), w13.dtype, w13_scale.dtype, top_k, max_tokens, dtype,
+                 None if expert_map is None else (tuple(expert_map.shape), expert_map.dtype), ids_dtype, w13.device)
+    if not _first_time(signature, w13.device):
+        return False
+    start = time.perf_counter()
+    global_experts = experts if expert_map is None else expert_map.shape[0]
+    x = torch.zeros(max_tokens, hidden, dtype=dtype, device=w13.device)
+    ids = (torch.arange(max_tokens * top_k, device=w13.device) % global_experts).to(ids_dtype).view(max_tokens, top_k)
+    weights = torch.full((max_tokens, top_k), 1.0 / top_k, dtype=torch.float32, device=w13.device)
+    for m in range(1, max_tokens + 1):
+        fused_moe_fp8(x[:m], w13, w13_scale, w2, w2_scale, weights[:m], ids[:m], stats=fp8_guard(w13.device).counters,
+                      expert_map=expert_map, check_ids=False)
+    del x, ids, weights
+    _done(w13.device, f"block-FP8 MoE {list(w13.shape)} top-{top_k}", max_tokens, start)
+    return True

@@ -1,0 +1,29 @@
+"""The warm-up's switch on the CPU: Triton's interpreter compiles nothing, so nothing runs there, and
+``LATENTSPEED_FP8_WARMUP`` takes 0 or 1 only. What it does on a GPU: ``tests/gpu/test_fp8_warmup.py``."""
+
+import pytest
+import torch
+
+from common_kernels.fp8 import warmup
+
+
+def test_cpu_layers_are_not_warmed_up(monkeypatch):
+    monkeypatch.setattr(warmup, "block_fp8_linear", lambda *args: pytest.fail("warmed up on the CPU"))
+    monkeypatch.setattr(warmup, "fused_moe_fp8", lambda *args, **kwargs: pytest.fail("warmed up on the CPU"))
+    w = torch.zeros(128, 128).to(torch.float8_e4m3fn)
+    s = torch.ones(1, 1)
+    assert not warmup.warmup_wanted(torch.device("cpu"))
+    assert not warmup.warm_up_linear(w, s, 16, torch.bfloat16)
+    assert not warmup.warm_up_moe(w[None], s[None], w[None], s[None], 1, 16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("setting, wanted", [("1", True), ("0", False)])
+def test_switch(monkeypatch, setting, wanted):
+    monkeypatch.setenv(warmup.WARMUP_ENV, setting)
+    assert warmup.warmup_wanted(torch.device("cuda", 0)) is wanted
+
+
+def test_switch_refuses_other_values(monkeypatch):
+    monkeypatch.setenv(warmup.WARMUP_ENV, "yes")
+    with pytest.raises(ValueError, match="LATENTSPEED_FP8_WARMUP='yes'"):
+        warmup.warmup_wanted(torch.device("cuda", 0))

@@ -1,0 +1,85 @@
+"""The block-FP8 warm-up on a GPU: after ``warm_up_linear`` / ``warm_up_moe`` for ``1..max_tokens``
+tokens, a batch of any of those sizes compiles no Triton kernel (counted, as vLLM's JIT monitor
+counts them, through Triton's ``jit_post_compile_hook``), while before it a new size does.
+
+    pytest tests/gpu/test_fp8_warmup.py -q          (skipped without a GPU)
+
+Shapes of their own (so no other test in the process has compiled them), 300 tokens: on an sm_90 GPU
+the untuned GEMM config switches to the warp-specialized kernel from 256 rows, so both kinds compile.
+"""
+
+import random
+
+import pytest
+import torch
+from triton import knobs
+
+from common_kernels.fp8 import block_fp8_linear, fused_moe_fp8
+from common_kernels.fp8.reference import quantize_weight_blocks_ref
+from common_kernels.fp8.warmup import warm_up_linear, warm_up_moe
+from common_kernels.guard import fp8_guard
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                                reason="needs a GPU with fp8 tensor cores")
+MAX_TOKENS = 300
+
+
+@pytest.fixture
+def compiles():
+    """The names of the Triton kernels compiled while the test runs."""
+    names, previous = [], knobs.runtime.jit_post_compile_hook
+
+    def hook(**kwargs):
+        names.append(getattr(kwargs.get("fn"), "name", "?"))
+        return previous(**kwargs) if previous else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    yield names
+    knobs.runtime.jit_post_compile_hook = previous
+
+
+def _block_weight(rows: int, cols: int, *lead: int):
+    w = torch.randn(*lead, rows, cols, device="cuda") / cols**0.5
+    q, s = zip(*(quantize_weight_blocks_ref(m) for m in w.reshape(-1, rows, cols)))
+    return torch.stack(q).view(*lead, rows, cols), torch.stack(s).view(*lead, *s[0].shape)
+
+
+def _sizes_in_random_order():
+    sizes = list(range(1, MAX_TOKENS + 1))
+    random.Random(0).shuffle(sizes)
+    return sizes
+
+
+def test_linear_compiles_nothing_after_warm_up(compiles):
+    weight, scale = _block_weight(2 * 176, 5 * 128)
+    x = torch.randn(MAX_TOKENS, weight.shape[1], dtype=torch.bfloat16, device="cuda")
+    block_fp8_linear(x[:7], weight, scale)
+    torch.cuda.synchronize()
+    assert compiles, "the hook saw no compile of a first launch: it would not see later ones either"
+    assert warm_up_linear(weight, scale, MAX_TOKENS, torch.bfloat16)
+    assert not warm_up_linear(weight, scale, MAX_TOKENS, torch.bfloat16), "a second layer of one signature"
+    compiles.clear()
+    for m in _sizes_in_random_order():
+        block_fp8_linear(x[:m], weight, scale)
+    torch.cuda.synchronize()
+    assert compiles == []
+
+
+def test_moe_compiles_nothing_after_warm_up(compiles):
+    experts, hidden, inter, top_k = 6, 384, 256, 2
+    w13, w13_scale = _block_weight(2 * inter, hidden, experts)
+    w2, w2_scale = _block_weight(hidden, inter, experts)
+    x = torch.randn(MAX_TOKENS, hidden, dtype=torch.bfloat16, device="cuda")
+    logits = torch.randn(MAX_TOKENS, experts, device="cuda")
+    weights, ids = logits.softmax(-1).topk(top_k)
+    ids = ids.to(torch.int32)
+    stats = fp8_guard(x.device).counters  # as the engines pass it
+    fused_moe_fp8(x[:5], w13, w13_scale, w2, w2_scale, weights[:5], ids[:5], stats=stats, check_ids=False)
+    torch.cuda.synchronize()
+    assert compiles
+    assert warm_up_moe(w13, w13_scale, w2, w2_scale, top_k, MAX_TOKENS, torch.bfloat16)
+    compiles.clear()
+    for m in _sizes_in_random_order():
+        fused_moe_fp8(x[:m], w13, w13_scale, w2, w2_scale, weights[:m], ids[:m], stats=stats, check_ids=False)
+    torch.cuda.synchronize()
+    assert compiles == []
