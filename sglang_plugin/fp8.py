@@ -32,6 +32,7 @@ from common_kernels.fp8 import (
     quantize_linear_weight,
     refuse_mismatched_dtypes,
 )
+from common_kernels.fp8.warmup import warm_up_linear, warm_up_moe, warmup_wanted
 from common_kernels.guard import fp8_guard
 
 NAME = "latentspeed_fp8"
@@ -53,6 +54,29 @@ def _refuse_mismatched_expert_dtypes(layer, scale_name: str) -> None:
     for w in ("w13", "w2"):
         refuse_mismatched_dtypes(lambda w=w: f"{_name(layer)} {w}", getattr(layer, f"{w}_weight"),
                                  getattr(layer, f"{w}_{scale_name}", None))
+
+
+def _max_tokens() -> int:
+    """The most tokens one forward pass hands a layer: a prefill chunk, or a whole prefill batch
+    where chunking is off."""
+    from sglang.srt.server_args import get_global_server_args
+
+    args = get_global_server_args()
+    return args.chunked_prefill_size if (args.chunked_prefill_size or 0) > 0 else args.max_prefill_tokens
+
+
+def _warm_up_linear(weight: torch.Tensor, scale: torch.Tensor) -> None:
+    """Compile the layer's kernels for every batch size now (``common_kernels.fp8.warmup``); SGLang
+    loads under the model's dtype as torch's default, the activations' dtype."""
+    if warmup_wanted(weight.device):
+        warm_up_linear(weight, scale, _max_tokens(), torch.get_default_dtype())
+
+
+def _warm_up_experts(layer, scale_name: str, id_map: torch.Tensor | None) -> None:
+    if warmup_wanted(layer.w13_weight.device):
+        warm_up_moe(layer.w13_weight, getattr(layer, f"w13_{scale_name}"), layer.w2_weight,
+                    getattr(layer, f"w2_{scale_name}"), layer.top_k, _max_tokens(), torch.get_default_dtype(),
+                    id_map)
 
 
 def block_linear(input, weight, block_size, weight_scale, input_scale=None, bias=None):
@@ -93,9 +117,10 @@ class LatentspeedFp8LinearMethod(Fp8LinearMethod):
             layer.weight = torch.nn.Parameter(weight, requires_grad=False)
             layer.weight_scale_inv = torch.nn.Parameter(scale, requires_grad=False)
             self.block_quant, self.weight_block_size = True, BLOCK
-            return
-        check_block_scales(name, layer.weight, layer.weight_scale_inv)
-        super().process_weights_after_loading(layer)
+        else:
+            check_block_scales(name, layer.weight, layer.weight_scale_inv)
+            super().process_weights_after_loading(layer)
+        _warm_up_linear(layer.weight, layer.weight_scale_inv)
 
 
 def _require_triton_runner(what_else_ok: bool = True) -> None:
@@ -184,6 +209,7 @@ class LatentspeedFp8MoEMethod(Fp8MoEMethod):
             _check_expert_scales(layer, "weight_scale_inv")
             super().process_weights_after_loading(layer)
         self.id_map = _expert_id_map(layer)
+        _warm_up_experts(layer, "weight_scale_inv", self.id_map)
 
     def apply(self, layer, dispatch_output):
         return _fused_moe(layer, dispatch_output, self.moe_runner_config, "weight_scale_inv", self.id_map)
@@ -210,6 +236,7 @@ class LatentspeedCTW8A8Fp8MoE(CompressedTensorsW8A8Fp8MoE):
     def process_weights_after_loading(self, layer) -> None:
         _check_expert_scales(layer, "weight_scale")
         self.id_map = _expert_id_map(layer)
+        _warm_up_experts(layer, "weight_scale", self.id_map)
 
     def apply_weights(self, layer, dispatch_output):
         return _fused_moe(layer, dispatch_output, self.moe_runner_config, "weight_scale", self.id_map)
@@ -230,6 +257,7 @@ class LatentspeedCTW8A8Fp8(CompressedTensorsW8A8Fp8):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         check_block_scales(_name(layer), layer.weight, layer.weight_scale)
         super().process_weights_after_loading(layer)
+        _warm_up_linear(layer.weight, layer.weight_scale)
 
 
 class LatentspeedCTConfig(CompressedTensorsConfig):
