@@ -35,7 +35,7 @@ _PREFILL_CONFIGS = (
 
 
 @triton.autotune(configs=_PREFILL_CONFIGS, key=["D_A", "D_B", "D_V", "CAUSAL"])
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lse_h"])  # the token count: one compiled kernel for any batch
 def _varlen_attention_kernel(
     q_ptr,
     k_ptr,
