@@ -63,7 +63,7 @@ from common_kernels.fp8 import (
     quantize_linear_weight,
     refuse_mismatched_dtypes,
 )
-from common_kernels.fp8.warmup import warm_up_linear, warm_up_moe, warmup_wanted
+from common_kernels.fp8.warmup import warm_up_linear, warm_up_moe, warm_up_producers, warmup_wanted
 from common_kernels.guard import fp8_guard
 
 from . import fusion
@@ -105,6 +105,8 @@ class LatentspeedBlockFp8Kernel(Fp8BlockScaledMMLinearKernel):
         if warmup_wanted(params.weight.device):  # every batch size's kernels, before vLLM's JIT monitor starts
             max_tokens = get_current_vllm_config().scheduler_config.max_num_batched_tokens
             warm_up_linear(params.weight, scale, max_tokens, self.config.input_dtype)
+            warm_up_producers(params.weight.shape[1], max_tokens, self.config.input_dtype, params.weight.device,
+                              *fusion.fused_producers())
 
     def apply_block_scaled_mm(self, A, B, As, Bs):
         return torch.ops.latentspeed.block_fp8_linear(A, B, Bs)

@@ -246,3 +246,11 @@ def install(config: VllmConfig | None = None) -> bool:
         return False
     slot[current_platform.pass_key] = QuantFusionPass(config, norm, silu_mul)
     return True
+
+
+def fused_producers(config: VllmConfig | None = None) -> tuple[bool, bool]:
+    """Which producers (RMSNorm, SiLU-and-mul) the ``QuantFusionPass`` installed in ``config``
+    (default: the config being built) fuses; neither where none is installed."""
+    config = config or get_current_vllm_config()
+    present = config.compilation_config.inductor_compile_config.get(current_platform.pass_key)
+    return (present.norm, present.silu_mul) if isinstance(present, QuantFusionPass) else (False, False)

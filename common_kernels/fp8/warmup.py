@@ -20,8 +20,11 @@ import time
 import torch
 
 from ..guard import fp8_guard
+from .gemm import SCALE_BLOCK
 from .linear import block_fp8_linear
 from .moe import fused_moe_fp8
+from .norm_quant import MAX_COLS, rms_norm_group_quant
+from .silu_mul_quant import silu_mul_group_quant
 
 WARMUP_ENV = "LATENTSPEED_FP8_WARMUP"
 logger = logging.getLogger("latentspeed")
@@ -63,6 +66,32 @@ def warm_up_linear(weight: torch.Tensor, weight_scale: torch.Tensor, max_tokens:
         block_fp8_linear(x[:m], weight, weight_scale)
     del x
     _done(weight.device, f"block-FP8 linear {list(weight.shape)}", max_tokens, start)
+    return True
+
+
+def warm_up_producers(cols: int, max_tokens: int, dtype: torch.dtype, device: torch.device, norm: bool,
+                      silu_mul: bool) -> bool:
+    """Run the producers an engine may fuse in front of a linear layer of ``cols`` input columns, on
+    zeros of ``dtype``, for every ``M`` in ``1..max_tokens``, as the fused ops call them: where
+    ``norm``, ``rms_norm_group_quant`` of ``[M, cols]`` with and without a residual (where a row fits,
+    ``cols <= MAX_COLS``); where ``silu_mul``, ``silu_mul_group_quant`` of ``[M, 2 cols]``. Unless
+    warmed already for this signature or ``warmup_wanted`` says no. Returns whether it ran."""
+    norm = norm and cols <= MAX_COLS
+    signature = ("producers", cols, max_tokens, dtype, norm, silu_mul, device)
+    if not (norm or silu_mul) or not _first_time(signature, device):
+        return False
+    start, stats = time.perf_counter(), fp8_guard(device).counters
+    rows = torch.zeros(max_tokens, cols, dtype=dtype, device=device)
+    weight = torch.ones(cols, dtype=dtype, device=device)
+    x = torch.zeros(max_tokens, 2 * cols, dtype=dtype, device=device) if silu_mul else None
+    for m in range(1, max_tokens + 1):
+        if norm:
+            rms_norm_group_quant(rows[:m], weight, 1e-6, group_size=SCALE_BLOCK, stats=stats)
+            rms_norm_group_quant(rows[:m], weight, 1e-6, rows[:m], SCALE_BLOCK, stats=stats)
+        if silu_mul:
+            silu_mul_group_quant(x[:m], SCALE_BLOCK, stats=stats)
+    del x, rows
+    _done(device, f"fused producers of {cols} columns", max_tokens, start)
     return True
 
 

@@ -9,12 +9,14 @@ from common_kernels.fp8 import warmup
 
 def test_cpu_layers_are_not_warmed_up(monkeypatch):
     monkeypatch.setattr(warmup, "block_fp8_linear", lambda *args: pytest.fail("warmed up on the CPU"))
-    monkeypatch.setattr(warmup, "fused_moe_fp8", lambda *args, **kwargs: pytest.fail("warmed up on the CPU"))
+    for kernel in ("fused_moe_fp8", "rms_norm_group_quant", "silu_mul_group_quant"):
+        monkeypatch.setattr(warmup, kernel, lambda *args, **kwargs: pytest.fail("warmed up on the CPU"))
     w = torch.zeros(128, 128).to(torch.float8_e4m3fn)
     s = torch.ones(1, 1)
     assert not warmup.warmup_wanted(torch.device("cpu"))
     assert not warmup.warm_up_linear(w, s, 16, torch.bfloat16)
     assert not warmup.warm_up_moe(w[None], s[None], w[None], s[None], 1, 16, torch.bfloat16)
+    assert not warmup.warm_up_producers(128, 16, torch.bfloat16, torch.device("cpu"), True, True)
 
 
 @pytest.mark.parametrize("setting, wanted", [("1", True), ("0", False)])

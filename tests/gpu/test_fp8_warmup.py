@@ -1,5 +1,5 @@
-"""The block-FP8 warm-up on a GPU: after ``warm_up_linear`` / ``warm_up_moe`` for ``1..max_tokens``
-tokens, a batch of any of those sizes compiles no Triton kernel (counted, as vLLM's JIT monitor
+"""The block-FP8 warm-up on a GPU: after ``warm_up_linear`` / ``warm_up_moe`` / ``warm_up_producers``
+for ``1..max_tokens`` tokens, a batch of any of those sizes compiles no Triton kernel (counted, as vLLM's JIT monitor
 counts them, through Triton's ``jit_post_compile_hook``), while before it a new size does.
 
     pytest tests/gpu/test_fp8_warmup.py -q          (skipped without a GPU)
@@ -14,9 +14,9 @@ import pytest
 import torch
 from triton import knobs
 
-from common_kernels.fp8 import block_fp8_linear, fused_moe_fp8
+from common_kernels.fp8 import block_fp8_linear, fused_moe_fp8, rms_norm_group_quant, silu_mul_group_quant
 from common_kernels.fp8.reference import quantize_weight_blocks_ref
-from common_kernels.fp8.warmup import warm_up_linear, warm_up_moe
+from common_kernels.fp8.warmup import warm_up_linear, warm_up_moe, warm_up_producers
 from common_kernels.guard import fp8_guard
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
@@ -81,5 +81,28 @@ def test_moe_compiles_nothing_after_warm_up(compiles):
     compiles.clear()
     for m in _sizes_in_random_order():
         fused_moe_fp8(x[:m], w13, w13_scale, w2, w2_scale, weights[:m], ids[:m], stats=stats, check_ids=False)
+    torch.cuda.synchronize()
+    assert compiles == []
+
+
+def test_producers_compile_nothing_after_warm_up(compiles):
+    cols = 3 * 128 + 64
+    x = torch.randn(MAX_TOKENS, 2 * cols, dtype=torch.bfloat16, device="cuda")
+    rows, residual = x[:, :cols].contiguous(), x[:, cols:].contiguous()
+    weight = torch.randn(cols, dtype=torch.bfloat16, device="cuda")
+    stats = fp8_guard(x.device).counters
+
+    def produce(m):  # as vllm_plugin/fusion.py's ops call them
+        rms_norm_group_quant(rows[:m], weight, 1e-5, group_size=128, stats=stats)
+        rms_norm_group_quant(rows[:m], weight, 1e-5, residual[:m], 128, stats=stats)
+        silu_mul_group_quant(x[:m], 128, stats=stats)
+
+    produce(3)
+    torch.cuda.synchronize()
+    assert compiles
+    assert warm_up_producers(cols, MAX_TOKENS, torch.bfloat16, x.device, norm=True, silu_mul=True)
+    compiles.clear()
+    for m in _sizes_in_random_order():
+        produce(m)
     torch.cuda.synchronize()
     assert compiles == []

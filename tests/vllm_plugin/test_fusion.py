@@ -136,6 +136,9 @@ def test_install_takes_the_post_grad_slot_unless_turned_off(monkeypatch):
     taken = compiling_config()  # a pass of the user's own stays
     taken.compilation_config.inductor_compile_config[key] = users_pass = object()
     assert not fusion.install(taken) and taken.compilation_config.inductor_compile_config[key] is users_pass
+    # what the fp8 warm-up compiles the producers for
+    assert [fusion.fused_producers(c) for c in (config, silu_only, eager, taken)] == [
+        (True, True), (False, True), (False, False), (False, False)]
 
 
 def linear_as_vllm_calls_it(x, w, w_scale):
