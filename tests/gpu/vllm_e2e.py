@@ -47,6 +47,8 @@ ENGINES = {
     "FLASHMLA-fp8": ("FLASHMLA", None, "fp8", None),
     "latentspeed-fp8": ("CUSTOM", "CUSTOM", "fp8", None),
     "latentspeed-fp8_e5m2": ("CUSTOM", "CUSTOM", "fp8_e5m2", None),
+    # Our decode with vLLM's own prefill, as FLASHMLA-fp8 has it: the decode's share of throughput alone.
+    "latentspeed-decode-fp8": ("CUSTOM", None, "fp8", None),
     # Block-FP8 weights quantized while loading the bf16 checkpoint: vLLM's own online block
     # method (its kernels) against latentspeed_fp8 (ours), each with its engine's attention.
     "FLASHMLA-w8": ("FLASHMLA", None, "auto", "fp8_per_block"),
