@@ -8,9 +8,11 @@ apart. An engine's own warm-up runs a few batch sizes, so the others used to com
 and an error under vLLM's ``--jit-monitor-mode=error``. So these run the layer once at every ``M``,
 once per layer signature (shapes, dtypes, device), on zeros: later batches find their kernels compiled.
 
-Set ``LATENTSPEED_FP8_WARMUP=0`` to skip (start-up time against first-batch stalls). Launches still
-compile later where an engine hands over what a warm-up cannot foresee: inputs whose rows are not
-16-byte aligned, ``topk_ids`` of another integer type, batches larger than ``max_tokens``.
+Set ``LATENTSPEED_FP8_WARMUP=0`` to skip (start-up time against first-batch stalls). Batches go up to
+``MAX_WARMUP_TOKENS`` at most: the GEMMs' work grows with the square of the largest batch, and an engine
+without chunked prefill hands over whole prompts. Launches still compile later where an engine hands
+over what a warm-up cannot foresee: inputs whose rows are not 16-byte aligned, ``topk_ids`` that are not
+int32 (both engines' routers make int32), batches beyond that bound.
 """
 
 import logging
@@ -27,6 +29,7 @@ from .norm_quant import MAX_COLS, rms_norm_group_quant
 from .silu_mul_quant import silu_mul_group_quant
 
 WARMUP_ENV = "LATENTSPEED_FP8_WARMUP"
+MAX_WARMUP_TOKENS = 16384  # DeepSeek-V3's widest GEMM (24576 x 1536) at every batch up to it: about 1e16 FLOP
 logger = logging.getLogger("latentspeed")
 _warmed: set[tuple] = set()
 
@@ -55,8 +58,10 @@ def _done(device: torch.device, what: str, max_tokens: int, start: float) -> Non
 
 def warm_up_linear(weight: torch.Tensor, weight_scale: torch.Tensor, max_tokens: int, dtype: torch.dtype) -> bool:
     """Run ``block_fp8_linear`` on ``[M, K]`` zeros of ``dtype`` for every ``M`` in ``1..max_tokens``
+    (at most ``MAX_WARMUP_TOKENS``)
     with this ``weight [N, K]`` (fp8) and ``weight_scale``, unless a layer of the same signature was
     warmed already or ``warmup_wanted`` says no. Returns whether it ran."""
+    max_tokens = min(max_tokens, MAX_WARMUP_TOKENS)
     signature = ("linear", tuple(weight.shape), weight.dtype, weight_scale.dtype, dtype, max_tokens, weight.device)
     if not _first_time(signature, weight.device):
         return False
@@ -76,7 +81,7 @@ def warm_up_producers(cols: int, max_tokens: int, dtype: torch.dtype, device: to
     ``norm``, ``rms_norm_group_quant`` of ``[M, cols]`` with and without a residual (where a row fits,
     ``cols <= MAX_COLS``); where ``silu_mul``, ``silu_mul_group_quant`` of ``[M, 2 cols]``. Unless
     warmed already for this signature or ``warmup_wanted`` says no. Returns whether it ran."""
-    norm = norm and cols <= MAX_COLS
+    norm, max_tokens = norm and cols <= MAX_COLS, min(max_tokens, MAX_WARMUP_TOKENS)
     signature = ("producers", cols, max_tokens, dtype, norm, silu_mul, device)
     if not (norm or silu_mul) or not _first_time(signature, device):
         return False
@@ -96,27 +101,26 @@ def warm_up_producers(cols: int, max_tokens: int, dtype: torch.dtype, device: to
 
 
 def warm_up_moe(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, top_k: int,
-                max_tokens: int, dtype: torch.dtype, expert_map: torch.Tensor | None = None,
-                ids_dtype: torch.dtype = torch.int32) -> bool:
+                max_tokens: int, dtype: torch.dtype, expert_map: torch.Tensor | None = None) -> bool:
     """Run ``fused_moe_fp8`` on ``[M, H]`` zeros of ``dtype`` for every ``M`` in ``1..max_tokens``,
-    each token routed to ``top_k`` experts in turn (``topk_ids`` of ``ids_dtype``, as the engine's
-    router makes them; ``expert_map`` as the layer's; the device's fp8 guard counting, as the engine
-    adapters have it), unless a layer of the same signature was
-    warmed already or ``warmup_wanted`` says no. The launches depend on ``T * top_k`` and the
-    expert count, not on the routing. Returns whether it ran."""
+    each token routed to ``top_k`` experts in turn (int32 ``topk_ids``; ``expert_map`` as the
+    layer's; the device's fp8 guard counting, as the engine adapters have it), unless a layer of the
+    same signature was warmed already or ``warmup_wanted`` says no. The launches depend on
+    ``T * top_k`` and the expert count, not on the routing. Returns whether it ran."""
     experts, _, hidden = w13.shape
+    max_tokens = min(max_tokens, MAX_WARMUP_TOKENS)
     signature = ("moe", tuple(w13.shape), tuple(w2.shape), w13.dtype, w13_scale.dtype, top_k, max_tokens, dtype,
-                 None if expert_map is None else (tuple(expert_map.shape), expert_map.dtype), ids_dtype, w13.device)
+                 None if expert_map is None else (tuple(expert_map.shape), expert_map.dtype), w13.device)
     if not _first_time(signature, w13.device):
         return False
-    start = time.perf_counter()
+    start, stats = time.perf_counter(), fp8_guard(w13.device).counters
     global_experts = experts if expert_map is None else expert_map.shape[0]
     x = torch.zeros(max_tokens, hidden, dtype=dtype, device=w13.device)
-    ids = (torch.arange(max_tokens * top_k, device=w13.device) % global_experts).to(ids_dtype).view(max_tokens, top_k)
+    ids = (torch.arange(max_tokens * top_k, device=w13.device) % global_experts).to(torch.int32).view(max_tokens, top_k)
     weights = torch.full((max_tokens, top_k), 1.0 / top_k, dtype=torch.float32, device=w13.device)
     for m in range(1, max_tokens + 1):
-        fused_moe_fp8(x[:m], w13, w13_scale, w2, w2_scale, weights[:m], ids[:m], stats=fp8_guard(w13.device).counters,
-                      expert_map=expert_map, check_ids=False)
+        fused_moe_fp8(x[:m], w13, w13_scale, w2, w2_scale, weights[:m], ids[:m], stats=stats, expert_map=expert_map,
+                      check_ids=False)
     del x, ids, weights
     _done(w13.device, f"block-FP8 MoE {list(w13.shape)} top-{top_k}", max_tokens, start)
     return True
