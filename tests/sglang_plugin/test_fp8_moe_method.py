@@ -180,3 +180,15 @@ def test_nonfinite_bf16_experts_and_unsupported_variants_are_named():
         load_experts(layer, weights)
     with pytest.raises(ValueError, match="activation other than SiLU is not supported"):
         moe_layer(LatentspeedFp8Config(), activation="gelu")
+
+
+def test_warm_up_bound_comes_from_the_published_server_args():
+    """The fp8 warm-up's largest batch (it runs on GPUs only): SGLang's prefill chunk, or its
+    prefill budget where chunking is off."""
+    from sglang.srt.server_args import get_global_server_args
+
+    from sglang_plugin.fp8 import _max_tokens
+
+    args = get_global_server_args()
+    expected = args.chunked_prefill_size if (args.chunked_prefill_size or 0) > 0 else args.max_prefill_tokens
+    assert isinstance(expected, int) and expected > 0 and _max_tokens() == expected
