@@ -131,6 +131,26 @@ def test_row_layer_with_bias_and_ragged_k(tp_group):
     assert_close(out, reference(x, q, s) + bias.float(), atol=2e-2, rtol=1e-2, name="down out")
 
 
+def test_layers_warm_up_for_vllms_largest_batch(tp_group, monkeypatch):
+    """On a GPU a layer's kernels compile for every batch size while it loads (``tests/gpu/
+    test_fp8_warmup.py`` checks that there): what vLLM's own config hands the warm-up."""
+    calls = []
+    monkeypatch.setattr(vllm_plugin.fp8, "warmup_wanted", lambda device: True)
+    for name in ("warm_up_linear", "warm_up_producers"):
+        monkeypatch.setattr(vllm_plugin.fp8, name, lambda *args, name=name: calls.append((name, *args)))
+    layer = RowParallelLinear(320, 256, bias=False, quant_config=tp_group.quant_config,
+                              prefix="model.layers.0.mlp.down_proj")
+    q, s = quantize_weight_blocks_ref(torch.randn(256, 320) * 0.05)
+    load_blocks(layer, [(q, s)])
+    layer.quant_method.process_weights_after_loading(layer)
+    max_tokens = tp_group.scheduler_config.max_num_batched_tokens
+    (_, weight, scale, tokens, dtype), (_, cols, *producers) = calls
+    assert torch.equal(weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale, s)
+    assert (tokens, dtype) == (max_tokens, torch.bfloat16)
+    assert (cols, *producers) == (320, max_tokens, torch.bfloat16, weight.device,
+                                  *vllm_plugin.fusion.fused_producers(tp_group))
+
+
 def test_kv_b_proj_dequantizes_exactly(tp_group):
     """MLA absorbs kv_b_proj into the queries from its dequantized weight (vLLM's exact path)."""
     layer = ColumnParallelLinear(512, 16 * 256, bias=False, quant_config=tp_group.quant_config,

@@ -11,6 +11,7 @@ from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from common_kernels.fp8.reference import fused_moe_fp8_ref, quantize_weight_blocks_ref
 from tests.helpers import assert_close
 from tests.vllm_plugin.test_fp8_method import CT_FP8_BLOCK
+import vllm_plugin.fp8
 from vllm_plugin.fp8 import (
     LatentspeedCTConfig,
     LatentspeedCTFp8MoEMethod,
@@ -173,3 +174,22 @@ def test_expert_map_leaves_other_ranks_experts_out(tp_group):
 
     expected = fused_moe_fp8_ref(x, *stacked(blocks), *topk, expert_map=expert_map)
     assert_close(out, expected, atol=2e-2, rtol=2e-2, name="ep out")
+
+
+def test_experts_warm_up_for_vllms_largest_batch(tp_group, monkeypatch):
+    """On a GPU the experts' kernels compile for every batch size while they load (``tests/gpu/
+    test_fp8_warmup.py`` checks that there): what vLLM's own MoE config hands the warm-up."""
+    calls = []
+    monkeypatch.setattr(vllm_plugin.fp8, "warm_up_moe", lambda *args: calls.append(args))
+    runner = moe_layer(tp_group.quant_config)
+    shapes = {"w1": (INTER, HIDDEN), "w3": (INTER, HIDDEN), "w2": (HIDDEN, INTER)}
+    blocks = [{k: quantize_weight_blocks_ref(torch.randn(*s) * 0.05) for k, s in shapes.items()} for _ in range(EXPERTS)]
+    load_experts(runner, [{k: q for k, (q, _) in b.items()} for b in blocks],
+                 [{k: s for k, (_, s) in b.items()} for b in blocks])
+    (w13, w13_scale, w2, w2_scale, top_k, tokens, dtype, expert_map), = calls
+    experts = runner.routed_experts
+    assert [t.data_ptr() for t in (w13, w13_scale, w2, w2_scale)] == [
+        experts.w13_weight.data_ptr(), experts.w13_weight_scale_inv.data_ptr(), experts.w2_weight.data_ptr(),
+        experts.w2_weight_scale_inv.data_ptr()]
+    assert (top_k, tokens, dtype, expert_map) == (TOP_K, tp_group.scheduler_config.max_num_batched_tokens,
+                                                 torch.bfloat16, None)
