@@ -183,7 +183,8 @@ def test_experts_warm_up_for_vllms_largest_batch(tp_group, monkeypatch):
     monkeypatch.setattr(vllm_plugin.fp8, "warm_up_moe", lambda *args: calls.append(args))
     runner = moe_layer(tp_group.quant_config)
     shapes = {"w1": (INTER, HIDDEN), "w3": (INTER, HIDDEN), "w2": (HIDDEN, INTER)}
-    blocks = [{k: quantize_weight_blocks_ref(torch.randn(*s) * 0.05) for k, s in shapes.items()} for _ in range(EXPERTS)]
+    blocks = [{k: quantize_weight_blocks_ref(torch.randn(*s) * 0.05) for k, s in shapes.items()}
+              for _ in range(EXPERTS)]
     load_experts(runner, [{k: q for k, (q, _) in b.items()} for b in blocks],
                  [{k: s for k, (_, s) in b.items()} for b in blocks])
     (w13, w13_scale, w2, w2_scale, top_k, tokens, dtype, expert_map), = calls
