@@ -174,6 +174,15 @@ PROVIDERS = {"latentspeed": ours, "latentspeed-triton": ours_triton, "FLASHMLA":
              "FLASH_ATTN_MLA": flash_attn_mla, "TRITON_MLA": triton_mla}
 
 
+def copy_bandwidth_tb_s(nbytes=2 << 30):
+    """The card's device-to-device copy bandwidth, bytes read plus bytes written per second (TB/s):
+    issue #6's yardstick for the memory-bound rows. Same timing as the kernels (median, L2 flushed)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * nbytes / ms / 1e9
+
+
 def check_against_reference(cache_dtype, heads, q_len, kv_scale):
     """Ours against the fp32 PyTorch reference on a small batch of the same shape family."""
     q, cache, table, lens = make_inputs(2, heads, q_len, 1000, cache_dtype, seed=1)
@@ -209,6 +218,8 @@ def main():
     args = parser.parse_args()
     dtypes = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
     kv_scale = torch.tensor([0.5], device="cuda")
+    copy_tb_s = copy_bandwidth_tb_s()
+    print(f"device-to-device copy: {copy_tb_s:.2f} TB/s", flush=True)
     rows = []
     for cache_name in args.cache:
         cache_dtype = dtypes[cache_name]
@@ -263,7 +274,7 @@ def main():
                     torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump({"card": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-                   "rows": rows}, f, indent=1)
+                   "copy_tb_s": copy_tb_s, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ def table(rows) -> str:
         shapes[(r["cache"], r["heads"], r["q_len"], r["ctx"])][r["provider"]] = r
     lines = [
         "| cache | H | S_q | ctx | " + " | ".join(f"{p} µs" for p in PROVIDERS)
-        + " | ours TB/s | ours TFLOP/s | ours / FLASHMLA | ours / TRITON_MLA |",
-        "|" + "---|" * (4 + len(PROVIDERS) + 4),
+        + " | ours TB/s | ours % of copy | ours TFLOP/s | ours / FLASHMLA | ours / TRITON_MLA |",
+        "|" + "---|" * (4 + len(PROVIDERS) + 5),
     ]
     for (cache, heads, q_len, ctx), by in shapes.items():
         ours = by["latentspeed"]
@@ -30,8 +30,10 @@ def table(rows) -> str:
         def speed(p):
             return f"{by[p]['us'] / ours['us']:.2f}×" if p in by else "—"
 
+        copy = ours.get("copy_tb_s")
+        of_copy = f"{100 * ours['tb_s'] / copy:.0f} %" if copy else "—"
         lines.append(
-            f"| {cache} | {heads} | {q_len} | {ctx} | {times} | {ours['tb_s']:.2f} | {ours['tflop_s']:.0f} "
+            f"| {cache} | {heads} | {q_len} | {ctx} | {times} | {ours['tb_s']:.2f} | {of_copy} | {ours['tflop_s']:.0f} "
             f"| {speed('FLASHMLA')} | {speed('TRITON_MLA')} |"
         )
     return "\n".join(lines) + "\n\nRatios are speed-ups (their time / ours): above 1× ours is faster.\n"
@@ -74,10 +76,12 @@ def main():
     parser.add_argument("--png", required=True)
     args = parser.parse_args()
     runs = [json.load(open(path)) for path in args.json]
-    rows = [row for run in runs for row in run["rows"]]
+    rows = [dict(row, copy_tb_s=run.get("copy_tb_s")) for run in runs for row in run["rows"]]
     cards = " / ".join(sorted({run.get("card", "unnamed card") for run in runs}))
+    copies = ", ".join(f"{run['copy_tb_s']:.2f}" for run in runs if run.get("copy_tb_s"))
+    copy_line = f" Device-to-device copy (read + write) measured in the run: {copies} TB/s." if copies else ""
     with open(args.md, "w") as f:
-        f.write(f"Card: {cards}.\n\n" + table(rows))
+        f.write(f"Card: {cards}.{copy_line}\n\n" + table(rows))
     plot(rows, args.png, cards)
 
 
