@@ -13,13 +13,30 @@ A second entry point, ``vllm.logits_processors``, installs ``vllm_plugin.guard.F
 which steps the fp8 guard once per engine step.
 
 The backends are registered by path, so they are imported only when vLLM selects them; the
-quantization registry takes the class itself.
+quantization registry takes the class itself. ``register()`` also routes the ``latentspeed`` logger
+through vLLM's handlers (``log_through_vllm``).
 """
+
+import logging
 
 _registered = False
 
 BACKEND_PATH = "vllm_plugin.mla.LatentspeedMLABackend"
 PREFILL_PATH = "vllm_plugin.mla_prefill.LatentspeedMLAPrefill"
+
+
+def log_through_vllm() -> None:
+    """Give the ``latentspeed`` logger (the fp8 warm-up's times, the fusion's match count, the guard's
+    warnings) vLLM's handlers and level (``VLLM_LOGGING_LEVEL``), as vLLM's own loggers have. Without it
+    its INFO records are dropped: vLLM configures the ``vllm`` logger, not the root. Left alone when it
+    has handlers already (a user's logging config) or vLLM configured none (``VLLM_CONFIGURE_LOGGING=0``)."""
+    ours, theirs = logging.getLogger("latentspeed"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
 
 
 def register() -> None:
@@ -40,4 +57,5 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, PREFILL_PATH)
     register_quantization_config(NAME)(LatentspeedFp8Config)
+    log_through_vllm()
     _registered = True

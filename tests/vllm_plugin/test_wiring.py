@@ -1,7 +1,9 @@
 """latentspeed's vLLM adapter against vLLM 0.26.0's own registries and selectors."""
 
 import importlib.metadata
+import io
 import json
+import logging
 
 import pytest
 import torch
@@ -153,3 +155,31 @@ def test_missing_vllm_is_named(monkeypatch):
     monkeypatch.setattr(_compat, "version", not_installed)
     with pytest.raises(_compat.UnsupportedVllmError, match="vLLM is not installed"):
         _compat.check_vllm()
+
+
+@pytest.fixture
+def fresh_latentspeed_logger(monkeypatch):
+    ours = logging.getLogger("latentspeed")
+    monkeypatch.setattr(ours, "handlers", [])
+    monkeypatch.setattr(ours, "level", logging.NOTSET)
+    monkeypatch.setattr(ours, "propagate", True)
+    return ours
+
+
+def test_our_info_lines_go_through_vllms_handlers(fresh_latentspeed_logger, monkeypatch):
+    theirs, stream = logging.getLogger("vllm"), io.StringIO()
+    assert theirs.handlers, "vLLM configures its logger when imported"
+    monkeypatch.setattr(theirs, "handlers", [logging.StreamHandler(stream)])  # the handler of this vLLM's config
+    monkeypatch.setattr(theirs, "level", logging.INFO)  # VLLM_LOGGING_LEVEL's default
+    vllm_plugin.log_through_vllm()
+    fresh_latentspeed_logger.info("latentspeed: a layer warmed up for 1-%d tokens", 8)
+    fresh_latentspeed_logger.debug("not at INFO")
+    assert "latentspeed: a layer warmed up for 1-8 tokens" in stream.getvalue()
+    assert "not at INFO" not in stream.getvalue() and not fresh_latentspeed_logger.propagate
+
+
+def test_a_users_logging_setup_is_left_alone(fresh_latentspeed_logger):
+    own = logging.StreamHandler()
+    fresh_latentspeed_logger.addHandler(own)
+    vllm_plugin.log_through_vllm()
+    assert fresh_latentspeed_logger.handlers == [own] and fresh_latentspeed_logger.propagate
