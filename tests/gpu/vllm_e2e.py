@@ -53,6 +53,8 @@ ENGINES = {
     # method (its kernels) against latentspeed_fp8 (ours), each with its engine's attention.
     "FLASHMLA-w8": ("FLASHMLA", None, "auto", "fp8_per_block"),
     "latentspeed-w8": ("CUSTOM", "CUSTOM", "auto", "latentspeed_fp8"),
+    # Our quantization method under FLASHMLA and vLLM's prefill, as FLASHMLA-w8 has them: the method's share alone.
+    "FLASHMLA-w8-latentspeed": ("FLASHMLA", None, "auto", "latentspeed_fp8"),
     # The same without any producer fused into its linear layer's quantization (vllm_plugin/fusion.py).
     "latentspeed-w8-unfused": ("CUSTOM", "CUSTOM", "auto", "latentspeed_fp8"),
     # The same with the RMSNorms fused but not SiLU-and-mul (LATENTSPEED_FUSE_SILU_QUANT=0).
@@ -72,9 +74,11 @@ PAIRS = {
     "fp8": [
         ("FLASHMLA-fp8", "latentspeed-fp8"),
         ("FLASHMLA-bf16", "latentspeed-fp8_e5m2"),
+        ("FLASHMLA-fp8", "latentspeed-decode-fp8"),
     ],
     "w8": [
         ("FLASHMLA-w8", "latentspeed-w8"),
+        ("FLASHMLA-w8", "FLASHMLA-w8-latentspeed"),
     ],
     "w8-fused": [
         ("latentspeed-w8-unfused", "latentspeed-w8"),
