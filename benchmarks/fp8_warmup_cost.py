@@ -1,7 +1,8 @@
 """What the block-FP8 warm-up adds to an engine's start-up: ``warm_up_linear`` per DeepSeek-V3 (N, K)
-shape at ``--max-tokens`` (vLLM's ``max_num_batched_tokens``), then the same sweep of every batch size
-again with every kernel compiled, so ``warmup_s - sweep_s`` is about the compile (and tuning) part.
-A process sees each shape first here; Triton's on-disk cache may still hold kernels of earlier runs.
+shape at ``--max-tokens`` (vLLM's ``max_num_batched_tokens``): ``warmup_s``, its compiles and one run of
+each of its ``representative_sizes``; then ``sweep_s``, a run of every batch size with every
+kernel compiled, which a warm-up of every size would add. A process sees each shape first here; Triton's
+on-disk cache may still hold kernels of earlier runs.
 
     python -m benchmarks.fp8_warmup_cost --out benchmarks/results/fp8_warmup_cost.json
 """

@@ -2,17 +2,19 @@
 
 Which kernels a layer launches for a batch of ``M`` tokens, and how Triton compiles them, depends on
 ``M`` alone: the GEMM's and the MoE's configs are tuned per bucket of ``M``, some constexprs follow it
-(the MoE's alignment chunks), and Triton compiles integer arguments equal to 1 or divisible by 16
-apart. An engine's own warm-up runs a few batch sizes, so the others used to compile while serving:
-5-50 s stalls in timed passes (``benchmarks/results/vllm-e2e-throughput-h100-2026-12-06-s39.md``),
-and an error under vLLM's ``--jit-monitor-mode=error``. So these run the layer once at every ``M``,
-once per layer signature (shapes, dtypes, device), on zeros: later batches find their kernels compiled.
+(the quantizers' row blocks up to 16 rows, the MoE's alignment chunks), and Triton compiles integer
+arguments equal to 1 or divisible by 16 apart. An engine's own warm-up runs a few batch sizes, so the
+others used to compile while serving: 5-50 s stalls in timed passes
+(``benchmarks/results/vllm-e2e-throughput-h100-2026-12-06-s39.md``), and an error under vLLM's
+``--jit-monitor-mode=error``. So these run each layer signature (shapes, dtypes, device) once on zeros
+at every ``M`` up to ``FULL_SWEEP_TOKENS``, and above it (linear layers and producers) at one ``M`` of
+each set of sizes that launch alike (``representative_sizes``); the MoE at every ``M``.
 
 Set ``LATENTSPEED_FP8_WARMUP=0`` to skip (start-up time against first-batch stalls). Batches go up to
-``MAX_WARMUP_TOKENS`` at most: the GEMMs' work grows with the square of the largest batch, and an engine
-without chunked prefill hands over whole prompts. Launches still compile later where an engine hands
-over what a warm-up cannot foresee: inputs whose rows are not 16-byte aligned, ``topk_ids`` that are not
-int32 (both engines' routers make int32), batches beyond that bound.
+``MAX_WARMUP_TOKENS`` at most, since an engine without chunked prefill hands over whole prompts.
+Launches still compile later where an engine hands over what a warm-up cannot foresee: inputs whose
+rows are not 16-byte aligned, ``topk_ids`` that are not int32 (both engines' routers make int32),
+batches beyond that bound.
 """
 
 import logging
@@ -22,14 +24,15 @@ import time
 import torch
 
 from ..guard import fp8_guard
-from .gemm import SCALE_BLOCK
+from .gemm import SCALE_BLOCK, default_config, gemm_config
 from .linear import block_fp8_linear
 from .moe import fused_moe_fp8
 from .norm_quant import MAX_COLS, rms_norm_group_quant
 from .silu_mul_quant import silu_mul_group_quant
 
 WARMUP_ENV = "LATENTSPEED_FP8_WARMUP"
-MAX_WARMUP_TOKENS = 16384  # DeepSeek-V3's widest GEMM (24576 x 1536) at every batch up to it: about 1e16 FLOP
+MAX_WARMUP_TOKENS = 16384
+FULL_SWEEP_TOKENS = 256  # every batch size up to here: the small batches' tiles, K splits and row blocks change often
 logger = logging.getLogger("latentspeed")
 _warmed: set[tuple] = set()
 
@@ -56,18 +59,44 @@ def _done(device: torch.device, what: str, max_tokens: int, start: float) -> Non
     logger.info("latentspeed: %s warmed up for 1-%d tokens in %.1f s", what, max_tokens, time.perf_counter() - start)
 
 
+def representative_sizes(max_tokens: int, launch_key) -> list[int]:
+    """Every batch size up to ``FULL_SWEEP_TOKENS``, then the smallest size of each set of sizes up to
+    ``max_tokens`` with the same ``launch_key(M)`` (what, besides ``M`` as a runtime value, decides which
+    kernels launch and how Triton compiles them)."""
+    sizes, keys = list(range(1, min(max_tokens, FULL_SWEEP_TOKENS) + 1)), set()
+    for m in range(FULL_SWEEP_TOKENS + 1, max_tokens + 1):
+        key = launch_key(m)
+        if key not in keys:
+            keys.add(key)
+            sizes.append(m)
+    return sizes
+
+
+def _sorted_items(config: dict) -> tuple:
+    return tuple(sorted(config.items()))
+
+
 def warm_up_linear(weight: torch.Tensor, weight_scale: torch.Tensor, max_tokens: int, dtype: torch.dtype) -> bool:
-    """Run ``block_fp8_linear`` on ``[M, K]`` zeros of ``dtype`` for every ``M`` in ``1..max_tokens``
-    (at most ``MAX_WARMUP_TOKENS``)
-    with this ``weight [N, K]`` (fp8) and ``weight_scale``, unless a layer of the same signature was
-    warmed already or ``warmup_wanted`` says no. Returns whether it ran."""
+    """Run ``block_fp8_linear`` on ``[M, K]`` zeros of ``dtype`` with this ``weight [N, K]`` (fp8) and
+    ``weight_scale`` for the ``representative_sizes`` of ``1..max_tokens`` (at most ``MAX_WARMUP_TOKENS``):
+    above ``FULL_SWEEP_TOKENS`` the quantizer's launch is the same for every ``M`` but its divisibility by
+    16, so sizes are told apart by the GEMM's config (``gemm_config``, and ``default_config``, which
+    ``block_scaled_gemm`` falls back on) and by whether ``M`` and ``M * N`` (the K-split partials' stride)
+    divide by 16. Unless a layer of the same signature was warmed already or ``warmup_wanted`` says no.
+    Returns whether it ran."""
     max_tokens = min(max_tokens, MAX_WARMUP_TOKENS)
     signature = ("linear", tuple(weight.shape), weight.dtype, weight_scale.dtype, dtype, max_tokens, weight.device)
     if not _first_time(signature, weight.device):
         return False
-    start = time.perf_counter()
-    x = torch.zeros(max_tokens, weight.shape[1], dtype=dtype, device=weight.device)
-    for m in range(1, max_tokens + 1):
+    start, (n, k) = time.perf_counter(), weight.shape
+    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
+
+    def launch_key(m):
+        return (_sorted_items(gemm_config(m, n, k, weight.device)), _sorted_items(default_config(m, n, k, sms)),
+                m % 16 == 0, m * n % 16 == 0)
+
+    x = torch.zeros(max_tokens, k, dtype=dtype, device=weight.device)
+    for m in representative_sizes(max_tokens, launch_key):
         block_fp8_linear(x[:m], weight, weight_scale)
     del x
     _done(weight.device, f"block-FP8 linear {list(weight.shape)}", max_tokens, start)
@@ -77,10 +106,11 @@ def warm_up_linear(weight: torch.Tensor, weight_scale: torch.Tensor, max_tokens:
 def warm_up_producers(cols: int, max_tokens: int, dtype: torch.dtype, device: torch.device, norm: bool,
                       silu_mul: bool) -> bool:
     """Run the producers an engine may fuse in front of a linear layer of ``cols`` input columns, on
-    zeros of ``dtype``, for every ``M`` in ``1..max_tokens``, as the fused ops call them: where
-    ``norm``, ``rms_norm_group_quant`` of ``[M, cols]`` with and without a residual (where a row fits,
-    ``cols <= MAX_COLS``); where ``silu_mul``, ``silu_mul_group_quant`` of ``[M, 2 cols]``. Unless
-    warmed already for this signature or ``warmup_wanted`` says no. Returns whether it ran."""
+    zeros of ``dtype``, for the ``representative_sizes`` of ``1..max_tokens``, as the fused ops call them:
+    where ``norm``, ``rms_norm_group_quant`` of ``[M, cols]`` with and without a residual (where a row
+    fits, ``cols <= MAX_COLS``); where ``silu_mul``, ``silu_mul_group_quant`` of ``[M, 2 cols]``. Above
+    ``FULL_SWEEP_TOKENS`` their launches differ only in whether ``M`` divides by 16. Unless warmed
+    already for this signature or ``warmup_wanted`` says no. Returns whether it ran."""
     norm, max_tokens = norm and cols <= MAX_COLS, min(max_tokens, MAX_WARMUP_TOKENS)
     signature = ("producers", cols, max_tokens, dtype, norm, silu_mul, device)
     if not (norm or silu_mul) or not _first_time(signature, device):
@@ -89,7 +119,7 @@ def warm_up_producers(cols: int, max_tokens: int, dtype: torch.dtype, device: to
     rows = torch.zeros(max_tokens, cols, dtype=dtype, device=device)
     weight = torch.ones(cols, dtype=dtype, device=device)
     x = torch.zeros(max_tokens, 2 * cols, dtype=dtype, device=device) if silu_mul else None
-    for m in range(1, max_tokens + 1):
+    for m in representative_sizes(max_tokens, lambda m: m % 16 == 0):
         if norm:
             rms_norm_group_quant(rows[:m], weight, 1e-6, group_size=SCALE_BLOCK, stats=stats)
             rms_norm_group_quant(rows[:m], weight, 1e-6, rows[:m], SCALE_BLOCK, stats=stats)

@@ -1,5 +1,6 @@
-"""The warm-up's switch on the CPU: Triton's interpreter compiles nothing, so nothing runs there, and
-``LATENTSPEED_FP8_WARMUP`` takes 0 or 1 only. What it does on a GPU: ``tests/gpu/test_fp8_warmup.py``."""
+"""The warm-up on the CPU: its switch (Triton's interpreter compiles nothing, so nothing runs there, and
+``LATENTSPEED_FP8_WARMUP`` takes 0 or 1 only) and the batch sizes it picks. What it does on a GPU:
+``tests/gpu/test_fp8_warmup.py``."""
 
 import pytest
 import torch
@@ -29,3 +30,10 @@ def test_switch_refuses_other_values(monkeypatch):
     monkeypatch.setenv(warmup.WARMUP_ENV, "yes")
     with pytest.raises(ValueError, match="LATENTSPEED_FP8_WARMUP='yes'"):
         warmup.warmup_wanted(torch.device("cuda", 0))
+
+
+def test_representative_sizes_take_every_small_batch_then_one_of_each_launch(monkeypatch):
+    monkeypatch.setattr(warmup, "FULL_SWEEP_TOKENS", 256)
+    sizes = warmup.representative_sizes(956, lambda m: (m // 300, m % 16 == 0))  # a new config at 300, 600, 900
+    assert sizes == list(range(1, 257)) + [257, 272, 300, 304, 600, 608, 900, 912]
+    assert warmup.representative_sizes(5, lambda m: pytest.fail("no size above the full sweep")) == [1, 2, 3, 4, 5]

@@ -1,11 +1,13 @@
-"""The block-FP8 warm-up on a GPU: after ``warm_up_linear`` / ``warm_up_moe`` / ``warm_up_producers``
+"""The block-FP8 warm-up on a GPU: after ``warm_up_linear`` / ``warm_up_producers`` / ``warm_up_moe``
 for ``1..max_tokens`` tokens, a batch of any of those sizes compiles no Triton kernel (counted, as vLLM's JIT monitor
 counts them, through Triton's ``jit_post_compile_hook``), while before it a new size does.
 
     pytest tests/gpu/test_fp8_warmup.py -q          (skipped without a GPU)
 
-Shapes of their own (so no other test in the process has compiled them), 300 tokens: on an sm_90 GPU
-the untuned GEMM config switches to the warp-specialized kernel from 256 rows, so both kinds compile.
+Shapes of their own (so no other test in the process has compiled them). The linear layer and the producers
+go to 1100 tokens, past ``FULL_SWEEP_TOKENS``, where the warm-up runs one size of each launch: on an sm_90 GPU
+(132 SMs) the untuned GEMM config of a 2816 x 1024 layer is the Triton kernel with two K splits below 256 rows, then
+the warp-specialized kernel, 64 columns wide, 128 from 513 rows, with fewer stages from 1025. The MoE goes to 300.
 """
 
 import random
@@ -22,6 +24,7 @@ from common_kernels.guard import fp8_guard
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                                 reason="needs a GPU with fp8 tensor cores")
 MAX_TOKENS = 300
+LINEAR_TOKENS = 1100
 
 
 @pytest.fixture
@@ -44,22 +47,22 @@ def _block_weight(rows: int, cols: int, *lead: int):
     return torch.stack(q).view(*lead, rows, cols), torch.stack(s).view(*lead, *s[0].shape)
 
 
-def _sizes_in_random_order():
-    sizes = list(range(1, MAX_TOKENS + 1))
+def _sizes_in_random_order(max_tokens=MAX_TOKENS):
+    sizes = list(range(1, max_tokens + 1))
     random.Random(0).shuffle(sizes)
     return sizes
 
 
 def test_linear_compiles_nothing_after_warm_up(compiles):
-    weight, scale = _block_weight(2 * 176, 5 * 128)
-    x = torch.randn(MAX_TOKENS, weight.shape[1], dtype=torch.bfloat16, device="cuda")
+    weight, scale = _block_weight(22 * 128, 8 * 128)
+    x = torch.randn(LINEAR_TOKENS, weight.shape[1], dtype=torch.bfloat16, device="cuda")
     block_fp8_linear(x[:7], weight, scale)
     torch.cuda.synchronize()
     assert compiles, "the hook saw no compile of a first launch: it would not see later ones either"
-    assert warm_up_linear(weight, scale, MAX_TOKENS, torch.bfloat16)
-    assert not warm_up_linear(weight, scale, MAX_TOKENS, torch.bfloat16), "a second layer of one signature"
+    assert warm_up_linear(weight, scale, LINEAR_TOKENS, torch.bfloat16)
+    assert not warm_up_linear(weight, scale, LINEAR_TOKENS, torch.bfloat16), "a second layer of one signature"
     compiles.clear()
-    for m in _sizes_in_random_order():
+    for m in _sizes_in_random_order(LINEAR_TOKENS):
         block_fp8_linear(x[:m], weight, scale)
     torch.cuda.synchronize()
     assert compiles == []
@@ -87,7 +90,7 @@ def test_moe_compiles_nothing_after_warm_up(compiles):
 
 def test_producers_compile_nothing_after_warm_up(compiles):
     cols = 3 * 128 + 64
-    x = torch.randn(MAX_TOKENS, 2 * cols, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(LINEAR_TOKENS, 2 * cols, dtype=torch.bfloat16, device="cuda")
     rows, residual = x[:, :cols].contiguous(), x[:, cols:].contiguous()
     weight = torch.randn(cols, dtype=torch.bfloat16, device="cuda")
     stats = fp8_guard(x.device).counters
@@ -100,9 +103,9 @@ def test_producers_compile_nothing_after_warm_up(compiles):
     produce(3)
     torch.cuda.synchronize()
     assert compiles
-    assert warm_up_producers(cols, MAX_TOKENS, torch.bfloat16, x.device, norm=True, silu_mul=True)
+    assert warm_up_producers(cols, LINEAR_TOKENS, torch.bfloat16, x.device, norm=True, silu_mul=True)
     compiles.clear()
-    for m in _sizes_in_random_order():
+    for m in _sizes_in_random_order(LINEAR_TOKENS):
         produce(m)
     torch.cuda.synchronize()
     assert compiles == []
