@@ -206,6 +206,17 @@ def block_scaled_gemm(
     return out
 
 
+def launch_key(m: int, n: int, k: int, device: torch.device) -> tuple:
+    """What, besides sizes passed as runtime values, decides the kernels ``block_fp8_linear`` launches for
+    ``m`` rows of a CUDA ``[n, k]`` weight and how Triton compiles them, from 16 rows up (where the
+    quantizer's row blocks stop growing): ``gemm_config``, ``default_config`` (``block_scaled_gemm``'s
+    fallback), and whether ``m`` and ``m * n`` (the K-split partials' stride) divide by 16.
+    ``common_kernels.fp8.warmup`` runs one batch size of each key."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return (json.dumps(gemm_config(m, n, k, device), sort_keys=True), json.dumps(default_config(m, n, k, sms),
+            sort_keys=True), m % 16 == 0, m * n % 16 == 0)
+
+
 def e4m3_operands(*operands: torch.Tensor) -> bool:
     """Whether every operand is E4M3, the only fp8 format the sm_90 kernels are built and tested for."""
     return all(t.dtype == torch.float8_e4m3fn for t in operands)

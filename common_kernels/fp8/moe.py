@@ -27,6 +27,7 @@ its output in runs of whole rows (the layout a TMA copy takes); only the first g
 """
 
 import functools
+import json
 import os
 from typing import NamedTuple
 
@@ -116,6 +117,12 @@ class ExpertRuns(NamedTuple):
     used_rows: torch.Tensor  # [1] int32: the rows of all runs, padding included (the rest of P is unused)
 
 
+def align_programs(pairs: int) -> tuple[int, int]:
+    """``align_by_expert``'s pairs a program (``CHUNK``) and programs for ``pairs`` pairs."""
+    chunk = max(1024, triton.next_power_of_2(triton.cdiv(pairs, ALIGN_MAX_PROGRAMS)))
+    return chunk, max(1, triton.cdiv(pairs, chunk))
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> ExpertRuns:
     """Sort the ``T * k`` (token, slot) pairs by expert, each expert's run padded to ``block_m``;
     pairs with a negative id (experts on another rank) are left out.
@@ -135,8 +142,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLO
     """
     pairs = topk_ids.numel()
     size = triton.cdiv(pairs + min(num_experts, pairs) * (block_m - 1), block_m) * block_m
-    chunk = max(1024, triton.next_power_of_2(triton.cdiv(pairs, ALIGN_MAX_PROGRAMS)))
-    programs = max(1, triton.cdiv(pairs, chunk))
+    chunk, programs = align_programs(pairs)
     e_pad = triton.next_power_of_2(num_experts + 1)  # bin num_experts: the left-out pairs
     ids = topk_ids.contiguous()
     sorted_ids = torch.empty(size + pairs, dtype=torch.int32, device=ids.device)  # left-out pairs: past size
@@ -563,6 +569,28 @@ def _hopper_kernels_take(w13: torch.Tensor, w2: torch.Tensor) -> bool:
             and w2.shape[-1] % SCALE_BLOCK == 0)
 
 
+def launch_config(tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor) -> dict:
+    """``fused_moe_fp8``'s default launch: ``moe_config``, or ``untuned_config`` where that names a Hopper
+    kernel and ``_hopper_kernels_take`` says no to these weights."""
+    experts, two_i, hidden = w13.shape
+    config = moe_config(tokens, top_k, experts, hidden, two_i // 2, w13.device)
+    if (config["gate_up"].get("KERNEL") or config["down"].get("KERNEL")) and not _hopper_kernels_take(w13, w2):
+        return untuned_config(tokens * top_k / experts)
+    return config
+
+
+def launch_key(tokens: int, top_k: int, w13: torch.Tensor, w2: torch.Tensor) -> tuple:
+    """What, besides sizes passed as runtime values, decides the kernels ``fused_moe_fp8`` launches for
+    ``tokens`` tokens and how Triton compiles them, from 16 tokens up (where the quantizers' row blocks stop
+    growing): the launch config, the sort's launches (one program, or ``align_programs``' chunk and its
+    padded program count) and whether the token and pair counts divide by 16 (the sorted row counts are
+    multiples of ``BLOCK_M``). ``common_kernels.fp8.warmup`` runs one batch size of each key."""
+    pairs = tokens * top_k
+    chunk, programs = align_programs(pairs)
+    return (json.dumps(launch_config(tokens, top_k, w13, w2), sort_keys=True), pairs <= ONE_LAUNCH_MAX_PAIRS, chunk,
+            triton.next_power_of_2(programs), tokens % 16 == 0, pairs % 16 == 0)
+
+
 def _validate(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_map, check_ids):
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"x must be bf16/fp16 [T, H], got {x.dtype} {tuple(x.shape)}")
@@ -618,10 +646,7 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     if tokens == 0:
         return x.new_zeros(tokens, hidden)
     if config is None:
-        config = moe_config(tokens, top_k, experts, hidden, two_i // 2, x.device)
-        kernels = (config["gate_up"].get("KERNEL"), config["down"].get("KERNEL"))
-        if any(kernels) and not _hopper_kernels_take(w13, w2):
-            config = untuned_config(tokens * top_k / experts)
+        config = launch_config(tokens, top_k, w13, w2)
     ids = topk_ids if expert_map is None else expert_map[topk_ids.long()]
     runs = align_by_expert(ids, experts, config["BLOCK_M"])
     weights = topk_weights.flatten().float().contiguous()

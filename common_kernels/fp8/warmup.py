@@ -7,8 +7,8 @@ arguments equal to 1 or divisible by 16 apart. An engine's own warm-up runs a fe
 others used to compile while serving: 5-50 s stalls in timed passes
 (``benchmarks/results/vllm-e2e-throughput-h100-2026-12-06-s39.md``), and an error under vLLM's
 ``--jit-monitor-mode=error``. So these run each layer signature (shapes, dtypes, device) once on zeros
-at every ``M`` up to ``FULL_SWEEP_TOKENS``, and above it (linear layers and producers) at one ``M`` of
-each set of sizes that launch alike (``representative_sizes``); the MoE at every ``M``.
+at every ``M`` up to ``FULL_SWEEP_TOKENS``, and above it at one ``M`` of each set of sizes that launch
+alike (``representative_sizes``; the GEMM's and the MoE's ``launch_key``).
 
 Set ``LATENTSPEED_FP8_WARMUP=0`` to skip (start-up time against first-batch stalls). Batches go up to
 ``MAX_WARMUP_TOKENS`` at most, since an engine without chunked prefill hands over whole prompts.
@@ -24,7 +24,8 @@ import time
 import torch
 
 from ..guard import fp8_guard
-from .gemm import SCALE_BLOCK, default_config, gemm_config
+from . import gemm, moe
+from .gemm import SCALE_BLOCK
 from .linear import block_fp8_linear
 from .moe import fused_moe_fp8
 from .norm_quant import MAX_COLS, rms_norm_group_quant
@@ -72,31 +73,18 @@ def representative_sizes(max_tokens: int, launch_key) -> list[int]:
     return sizes
 
 
-def _sorted_items(config: dict) -> tuple:
-    return tuple(sorted(config.items()))
-
-
 def warm_up_linear(weight: torch.Tensor, weight_scale: torch.Tensor, max_tokens: int, dtype: torch.dtype) -> bool:
     """Run ``block_fp8_linear`` on ``[M, K]`` zeros of ``dtype`` with this ``weight [N, K]`` (fp8) and
-    ``weight_scale`` for the ``representative_sizes`` of ``1..max_tokens`` (at most ``MAX_WARMUP_TOKENS``):
-    above ``FULL_SWEEP_TOKENS`` the quantizer's launch is the same for every ``M`` but its divisibility by
-    16, so sizes are told apart by the GEMM's config (``gemm_config``, and ``default_config``, which
-    ``block_scaled_gemm`` falls back on) and by whether ``M`` and ``M * N`` (the K-split partials' stride)
-    divide by 16. Unless a layer of the same signature was warmed already or ``warmup_wanted`` says no.
-    Returns whether it ran."""
+    ``weight_scale`` for the ``representative_sizes`` of ``1..max_tokens`` (at most ``MAX_WARMUP_TOKENS``)
+    by ``gemm.launch_key``, unless a layer of the same signature was warmed already or ``warmup_wanted``
+    says no. Returns whether it ran."""
     max_tokens = min(max_tokens, MAX_WARMUP_TOKENS)
     signature = ("linear", tuple(weight.shape), weight.dtype, weight_scale.dtype, dtype, max_tokens, weight.device)
     if not _first_time(signature, weight.device):
         return False
     start, (n, k) = time.perf_counter(), weight.shape
-    sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
-
-    def launch_key(m):
-        return (_sorted_items(gemm_config(m, n, k, weight.device)), _sorted_items(default_config(m, n, k, sms)),
-                m % 16 == 0, m * n % 16 == 0)
-
     x = torch.zeros(max_tokens, k, dtype=dtype, device=weight.device)
-    for m in representative_sizes(max_tokens, launch_key):
+    for m in representative_sizes(max_tokens, lambda m: gemm.launch_key(m, n, k, weight.device)):
         block_fp8_linear(x[:m], weight, weight_scale)
     del x
     _done(weight.device, f"block-FP8 linear {list(weight.shape)}", max_tokens, start)
@@ -132,11 +120,11 @@ def warm_up_producers(cols: int, max_tokens: int, dtype: torch.dtype, device: to
 
 def warm_up_moe(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, top_k: int,
                 max_tokens: int, dtype: torch.dtype, expert_map: torch.Tensor | None = None) -> bool:
-    """Run ``fused_moe_fp8`` on ``[M, H]`` zeros of ``dtype`` for every ``M`` in ``1..max_tokens``,
-    each token routed to ``top_k`` experts in turn (int32 ``topk_ids``; ``expert_map`` as the
-    layer's; the device's fp8 guard counting, as the engine adapters have it), unless a layer of the
-    same signature was warmed already or ``warmup_wanted`` says no. The launches depend on
-    ``T * top_k`` and the expert count, not on the routing. Returns whether it ran."""
+    """Run ``fused_moe_fp8`` on ``[M, H]`` zeros of ``dtype`` for the ``representative_sizes`` of
+    ``1..max_tokens`` by ``moe.launch_key``, each token routed to ``top_k`` experts in turn (int32
+    ``topk_ids``; ``expert_map`` as the layer's; the device's fp8 guard counting, as the engine adapters
+    have it), unless a layer of the same signature was warmed already or ``warmup_wanted`` says no. The
+    launches depend on ``T * top_k`` and the expert count, not on the routing. Returns whether it ran."""
     experts, _, hidden = w13.shape
     max_tokens = min(max_tokens, MAX_WARMUP_TOKENS)
     signature = ("moe", tuple(w13.shape), tuple(w2.shape), w13.dtype, w13_scale.dtype, top_k, max_tokens, dtype,
@@ -148,7 +136,7 @@ def warm_up_moe(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2
     x = torch.zeros(max_tokens, hidden, dtype=dtype, device=w13.device)
     ids = (torch.arange(max_tokens * top_k, device=w13.device) % global_experts).to(torch.int32).view(max_tokens, top_k)
     weights = torch.full((max_tokens, top_k), 1.0 / top_k, dtype=torch.float32, device=w13.device)
-    for m in range(1, max_tokens + 1):
+    for m in representative_sizes(max_tokens, lambda m: moe.launch_key(m, top_k, w13, w2)):
         fused_moe_fp8(x[:m], w13, w13_scale, w2, w2_scale, weights[:m], ids[:m], stats=stats, expert_map=expert_map,
                       check_ids=False)
     del x, ids, weights

@@ -416,3 +416,19 @@ def test_bad_routing_is_named():
     strided = torch.stack([s13, s13], dim=-1)[..., 0]  # the right values, every other float
     with pytest.raises(ValueError, match=r"w13_scale must be fp32 \[2, 2, 1\] \(128 x 128 blocks, last dimension"):
         fused_moe_fp8(x, w13, strided, w2, s2, torch.ones(3, 1), torch.zeros(3, 1, dtype=torch.int64))
+
+
+def test_launch_key_tells_apart_what_the_warm_up_must_compile(monkeypatch):
+    """``moe.launch_key`` (the warm-up runs one batch size of each): the same for batches that launch
+    alike, different where the sort's launches, the divisibility by 16 or the config change."""
+    _, w13, _, w2, _, _, _ = moe_inputs(6, inter=256)
+
+    def key(tokens):
+        return moe.launch_key(tokens, 2, w13, w2)
+
+    assert key(272) == key(288)  # 544 and 576 pairs: one program of the three-launch sort
+    assert key(256) != key(272)  # 512 pairs: the one-launch sort
+    assert key(512) != key(528)  # 1056 pairs: two programs
+    assert key(273) != key(272) and key(273) == key(275)
+    monkeypatch.setattr(moe, "moe_config", lambda tokens, *_: dict(DEFAULT_CONFIG, BLOCK_M=16 if tokens < 280 else 64))
+    assert key(272) != key(288)

@@ -4,10 +4,12 @@ counts them, through Triton's ``jit_post_compile_hook``), while before it a new 
 
     pytest tests/gpu/test_fp8_warmup.py -q          (skipped without a GPU)
 
-Shapes of their own (so no other test in the process has compiled them). The linear layer and the producers
-go to 1100 tokens, past ``FULL_SWEEP_TOKENS``, where the warm-up runs one size of each launch: on an sm_90 GPU
-(132 SMs) the untuned GEMM config of a 2816 x 1024 layer is the Triton kernel with two K splits below 256 rows, then
-the warp-specialized kernel, 64 columns wide, 128 from 513 rows, with fewer stages from 1025. The MoE goes to 300.
+Shapes of their own (so no other test in the process has compiled them), 1100 tokens, past ``FULL_SWEEP_TOKENS``,
+where the warm-up runs one size of each launch key. On an sm_90 GPU (132 SMs) the untuned GEMM config of a
+2816 x 1024 layer is the Triton kernel with two K splits below 256 rows, then the warp-specialized kernel, 64 columns
+wide, 128 from 513 rows, with fewer stages from 1025. The MoE (6 experts, top 2) sorts in one launch up to 256
+tokens, then in three with one, two and (from 1025) three programs, and its untuned config has 16-row runs up to 48
+tokens, 64-row runs, then from 384 tokens the warp-specialized kernels.
 """
 
 import random
@@ -23,8 +25,7 @@ from common_kernels.guard import fp8_guard
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                                 reason="needs a GPU with fp8 tensor cores")
-MAX_TOKENS = 300
-LINEAR_TOKENS = 1100
+MAX_TOKENS = 1100
 
 
 @pytest.fixture
@@ -47,22 +48,22 @@ def _block_weight(rows: int, cols: int, *lead: int):
     return torch.stack(q).view(*lead, rows, cols), torch.stack(s).view(*lead, *s[0].shape)
 
 
-def _sizes_in_random_order(max_tokens=MAX_TOKENS):
-    sizes = list(range(1, max_tokens + 1))
+def _sizes_in_random_order():
+    sizes = list(range(1, MAX_TOKENS + 1))
     random.Random(0).shuffle(sizes)
     return sizes
 
 
 def test_linear_compiles_nothing_after_warm_up(compiles):
     weight, scale = _block_weight(22 * 128, 8 * 128)
-    x = torch.randn(LINEAR_TOKENS, weight.shape[1], dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(MAX_TOKENS, weight.shape[1], dtype=torch.bfloat16, device="cuda")
     block_fp8_linear(x[:7], weight, scale)
     torch.cuda.synchronize()
     assert compiles, "the hook saw no compile of a first launch: it would not see later ones either"
-    assert warm_up_linear(weight, scale, LINEAR_TOKENS, torch.bfloat16)
-    assert not warm_up_linear(weight, scale, LINEAR_TOKENS, torch.bfloat16), "a second layer of one signature"
+    assert warm_up_linear(weight, scale, MAX_TOKENS, torch.bfloat16)
+    assert not warm_up_linear(weight, scale, MAX_TOKENS, torch.bfloat16), "a second layer of one signature"
     compiles.clear()
-    for m in _sizes_in_random_order(LINEAR_TOKENS):
+    for m in _sizes_in_random_order():
         block_fp8_linear(x[:m], weight, scale)
     torch.cuda.synchronize()
     assert compiles == []
@@ -90,7 +91,7 @@ def test_moe_compiles_nothing_after_warm_up(compiles):
 
 def test_producers_compile_nothing_after_warm_up(compiles):
     cols = 3 * 128 + 64
-    x = torch.randn(LINEAR_TOKENS, 2 * cols, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(MAX_TOKENS, 2 * cols, dtype=torch.bfloat16, device="cuda")
     rows, residual = x[:, :cols].contiguous(), x[:, cols:].contiguous()
     weight = torch.randn(cols, dtype=torch.bfloat16, device="cuda")
     stats = fp8_guard(x.device).counters
@@ -103,9 +104,9 @@ def test_producers_compile_nothing_after_warm_up(compiles):
     produce(3)
     torch.cuda.synchronize()
     assert compiles
-    assert warm_up_producers(cols, LINEAR_TOKENS, torch.bfloat16, x.device, norm=True, silu_mul=True)
+    assert warm_up_producers(cols, MAX_TOKENS, torch.bfloat16, x.device, norm=True, silu_mul=True)
     compiles.clear()
-    for m in _sizes_in_random_order(LINEAR_TOKENS):
+    for m in _sizes_in_random_order():
         produce(m)
     torch.cuda.synchronize()
     assert compiles == []
