@@ -642,7 +642,7 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w
     """
     _validate(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, expert_map, check_ids)
     tokens, top_k = topk_ids.shape
-    experts, two_i, hidden = w13.shape
+    experts, _, hidden = w13.shape
     if tokens == 0:
         return x.new_zeros(tokens, hidden)
     if config is None:
