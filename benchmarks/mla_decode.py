@@ -1,4 +1,5 @@
-"""MLA decode kernel time: latentspeed against vLLM's FLASHMLA, FLASH_ATTN_MLA and TRITON_MLA.
+"""MLA decode kernel time: latentspeed against vLLM's FLASHMLA, FLASH_ATTN_MLA and TRITON_MLA, and
+FlashInfer's MLA kernel (SGLang's ``flashinfer`` backend).
 
 FlashMLA's shapes: batch 128, heads 16 and 128, 1 and 2 query tokens, context 4k-32k,
 page 64, bf16 and fp8 caches. Every provider reads the same cache and block table (pages
@@ -142,6 +143,30 @@ def flash_attn_mla(q, cache, block_table, seq_lens, q_len, kv_scale, metadata_pe
     return run
 
 
+def flashinfer_mla(q, cache, block_table, seq_lens, q_len, kv_scale):
+    """FlashInfer's MLA decode (``BatchMLAPagedAttentionWrapper``, its FA3 kernel on sm_90): the kernel
+    of SGLang's ``flashinfer`` MLA backend. Planned once on the host before the timed calls (SGLang
+    plans before each step); SGLang serves it with pages of one token, the table with 64 as for every
+    provider. bf16 and E4M3 caches (per-tensor scales); no E5M2."""
+    if cache.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+        return None
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+    batch, pages = block_table.shape
+    heads = q.shape[1]
+    wrapper = BatchMLAPagedAttentionWrapper(torch.empty(512 << 20, dtype=torch.uint8, device="cuda"), backend="fa3")
+    wrapper.plan(
+        torch.arange(0, q.shape[0] + 1, q_len, dtype=torch.int32, device="cuda"),
+        torch.arange(0, (batch + 1) * pages, pages, dtype=torch.int32, device="cuda"),
+        block_table.reshape(-1), seq_lens, heads, D_LATENT, D_ROPE, PAGE, True, SCALE, q.dtype, cache.dtype,
+    )
+    q_nope, q_pe = q[..., :D_LATENT].contiguous(), q[..., D_LATENT:].contiguous()
+    ckv, kpe = cache[..., :D_LATENT], cache[..., D_LATENT:]
+    scales = {} if cache.dtype == torch.bfloat16 else dict(ckv_scale=kv_scale.item(), kpe_scale=kv_scale.item())
+    out = torch.empty_like(q_nope)
+    return lambda: wrapper.run(q_nope, q_pe, ckv, kpe, out=out, **scales)
+
+
 def triton_mla(q, cache, block_table, seq_lens, q_len, kv_scale):
     from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
 
@@ -171,7 +196,7 @@ def triton_mla(q, cache, block_table, seq_lens, q_len, kv_scale):
 
 
 PROVIDERS = {"latentspeed": ours, "latentspeed-triton": ours_triton, "FLASHMLA": flashmla,
-             "FLASH_ATTN_MLA": flash_attn_mla, "TRITON_MLA": triton_mla}
+             "FLASH_ATTN_MLA": flash_attn_mla, "FLASHINFER_MLA": flashinfer_mla, "TRITON_MLA": triton_mla}
 
 
 def copy_bandwidth_tb_s(nbytes=2 << 30):

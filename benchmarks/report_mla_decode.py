@@ -10,8 +10,9 @@ import argparse
 import json
 from collections import defaultdict
 
-PROVIDERS = ("latentspeed", "latentspeed-triton", "FLASHMLA", "FLASH_ATTN_MLA", "TRITON_MLA")
-COLORS = dict(zip(PROVIDERS, ("tab:blue", "tab:cyan", "tab:orange", "tab:green", "tab:red")))
+PROVIDERS = ("latentspeed", "latentspeed-triton", "FLASHMLA", "FLASH_ATTN_MLA", "FLASHINFER_MLA", "TRITON_MLA")
+COLORS = dict(zip(PROVIDERS, ("tab:blue", "tab:cyan", "tab:orange", "tab:green", "tab:purple", "tab:red")))
+SPEED_UPS = ("FLASHMLA", "FLASHINFER_MLA", "TRITON_MLA")
 
 
 def table(rows) -> str:
@@ -20,8 +21,8 @@ def table(rows) -> str:
         shapes[(r["cache"], r["heads"], r["q_len"], r["ctx"])][r["provider"]] = r
     lines = [
         "| cache | H | S_q | ctx | " + " | ".join(f"{p} µs" for p in PROVIDERS)
-        + " | ours TB/s | ours % of copy | ours TFLOP/s | ours / FLASHMLA | ours / TRITON_MLA |",
-        "|" + "---|" * (4 + len(PROVIDERS) + 5),
+        + " | ours TB/s | ours % of copy | ours TFLOP/s | " + " | ".join(f"ours / {p}" for p in SPEED_UPS) + " |",
+        "|" + "---|" * (4 + len(PROVIDERS) + 3 + len(SPEED_UPS)),
     ]
     for (cache, heads, q_len, ctx), by in shapes.items():
         ours = by["latentspeed"]
@@ -33,8 +34,8 @@ def table(rows) -> str:
         copy = ours.get("copy_tb_s")
         of_copy = f"{100 * ours['tb_s'] / copy:.0f} %" if copy else "—"
         lines.append(
-            f"| {cache} | {heads} | {q_len} | {ctx} | {times} | {ours['tb_s']:.2f} | {of_copy} | {ours['tflop_s']:.0f} "
-            f"| {speed('FLASHMLA')} | {speed('TRITON_MLA')} |"
+            f"| {cache} | {heads} | {q_len} | {ctx} | {times} | {ours['tb_s']:.2f} | {of_copy} | {ours['tflop_s']:.0f} | "
+            + " | ".join(speed(p) for p in SPEED_UPS) + " |"
         )
     return "\n".join(lines) + "\n\nRatios are speed-ups (their time / ours): above 1× ours is faster.\n"
 
