@@ -147,7 +147,9 @@ def flashinfer_mla(q, cache, block_table, seq_lens, q_len, kv_scale):
     """FlashInfer's MLA decode (``BatchMLAPagedAttentionWrapper``, its FA3 kernel on sm_90): the kernel
     of SGLang's ``flashinfer`` MLA backend. Planned once on the host before the timed calls (SGLang
     plans before each step); SGLang serves it with pages of one token, the table with 64 as for every
-    provider. bf16 and E4M3 caches (per-tensor scales); no E5M2."""
+    provider. bf16 and E4M3 caches (per-tensor scales); no E5M2. Timed as eager calls even under
+    ``--cuda-graph``: its replays failed (an illegal address, or "operation not supported on
+    global/shared address space") unless its graph was the first captured in the process."""
     if cache.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
         return None
     from flashinfer.mla import BatchMLAPagedAttentionWrapper
@@ -267,7 +269,8 @@ def main():
                             if args.cuda_graph and name == "FLASH_ATTN_MLA":
                                 metadata_us = 1e3 * triton.testing.do_bench(
                                     in_cuda_graph(fn.metadata), warmup=25, rep=200, return_mode="median")
-                            fn = in_cuda_graph(fn) if args.cuda_graph else fn
+                            in_graph = args.cuda_graph and name != "FLASHINFER_MLA"
+                            fn = in_cuda_graph(fn) if in_graph else fn
                             outs[name] = fn().float().reshape(q.shape[0], heads, D_LATENT).clone()
                         except Exception as err:  # an engine kernel missing or refusing this shape
                             print(f"{name} {cache_name} H{heads} q{q_len} ctx{ctx}: unavailable "
@@ -279,7 +282,7 @@ def main():
                         nbytes = args.batch * ctx * (D_LATENT + D_ROPE) * elem + q.numel() * 2 * 2
                         flops = 2 * q.shape[0] * heads * ctx * (D_LATENT + D_ROPE + D_LATENT)
                         row = dict(batch=args.batch, cache=cache_name, heads=heads, q_len=q_len, ctx=ctx, provider=name,
-                                   cuda_graph=args.cuda_graph, us=ms * 1e3,
+                                   cuda_graph=in_graph, us=ms * 1e3,
                                    metadata_us=metadata_us, rel_err_first_requests=rel_err_after,
                                    tb_s=nbytes / ms / 1e9, tflop_s=flops / ms / 1e9)
                         if name == "FLASHMLA":
