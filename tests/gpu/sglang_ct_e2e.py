@@ -117,7 +117,6 @@ def main() -> None:
     elif command == "guard":
         raise SystemExit(expect_guard_stop(__file__, "sgl-guard"))
     elif command == "guard-child":
-        os.environ.setdefault("SGLANG_LOGGING_LEVEL", "WARNING")
         guard_child()
     else:
         raise SystemExit(f"unknown command {command!r}: write, engine NAME, compare A B or guard")

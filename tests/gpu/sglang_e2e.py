@@ -10,7 +10,6 @@ the prompts a second time so that the radix-cached prefix goes through its exten
 """
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -73,6 +72,7 @@ def make_engine(model: str, engine: str):
         mem_fraction_static=0.7,
         random_seed=0,
         cuda_graph_max_bs_decode=64,
+        log_level="info",  # sgl.Engine's default, "error", hides latentspeed's warm-up lines
     )
 
 
@@ -140,7 +140,6 @@ def worker(args):
 
 def main():
     args = parse_args(__doc__, PAIRS, "/tmp/latentspeed-e2e-sglang", "e2e-sglang.json")
-    os.environ.setdefault("SGLANG_LOGGING_LEVEL", "WARNING")
     if args.cmd == "worker":
         worker(args)
     else:
