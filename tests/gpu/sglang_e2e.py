@@ -30,7 +30,12 @@ ENGINES = {
     "latentspeed-w8": ("latentspeed", "auto", 64, "latentspeed_fp8"),
     # The same with RMSNorm and SiLU-and-mul fused into the activation quantization (sglang_plugin/fusion.py).
     "latentspeed-w8-fused": ("latentspeed", "auto", 64, "latentspeed_fp8"),
+    # Our decode, SGLang's FA3 for extends (PREFILL_BACKENDS), as vllm_e2e.py's latentspeed-decode-fp8 takes vLLM's.
+    "latentspeed-decode-bf16": ("latentspeed", "auto", 64, None),
+    "latentspeed-decode-fp8_e4m3": ("latentspeed", "fp8_e4m3", 64, None),
 }
+# --prefill-attention-backend: extends (MHA prefill, absorbed over short prefixes) go to SGLang's own backend.
+PREFILL_BACKENDS = {"latentspeed-decode-bf16": "fa3", "latentspeed-decode-fp8_e4m3": "fa3"}
 PAIRS = {
     "bf16": [
         ("flashinfer-bf16", "triton-bf16"),
@@ -46,6 +51,10 @@ PAIRS = {
     ],
     "w8": [
         ("flashinfer-w8", "latentspeed-w8"),
+    ],
+    "decode": [
+        ("flashinfer-bf16", "latentspeed-decode-bf16"),
+        ("triton-fp8_e4m3", "latentspeed-decode-fp8_e4m3"),
     ],
 }
 
@@ -66,6 +75,7 @@ def make_engine(model: str, engine: str):
         quantization=quantization,
         skip_tokenizer_init=True,
         attention_backend=backend,
+        prefill_attention_backend=PREFILL_BACKENDS.get(engine),
         kv_cache_dtype=kv_dtype,
         page_size=page_size,
         context_length=17_000,
