@@ -34,8 +34,8 @@ def table(rows) -> str:
         copy = ours.get("copy_tb_s")
         of_copy = f"{100 * ours['tb_s'] / copy:.0f} %" if copy else "—"
         lines.append(
-            f"| {cache} | {heads} | {q_len} | {ctx} | {times} | {ours['tb_s']:.2f} | {of_copy} | {ours['tflop_s']:.0f} | "
-            + " | ".join(speed(p) for p in SPEED_UPS) + " |"
+            f"| {cache} | {heads} | {q_len} | {ctx} | {times} | {ours['tb_s']:.2f} | {of_copy} "
+            f"| {ours['tflop_s']:.0f} | " + " | ".join(speed(p) for p in SPEED_UPS) + " |"
         )
     return "\n".join(lines) + "\n\nRatios are speed-ups (their time / ours): above 1× ours is faster.\n"
 

@@ -1,4 +1,5 @@
-"""``benchmarks.report_mla_decode``'s table: ratios against FLASHMLA and FlashInfer, and the share of the copy bandwidth."""
+"""``benchmarks.report_mla_decode``'s table: ratios against FLASHMLA and FlashInfer, and the share of the copy
+bandwidth."""
 
 import json
 import sys
