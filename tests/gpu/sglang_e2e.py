@@ -66,11 +66,10 @@ def is_floor(engine: str) -> bool:
     return engine == "triton-bf16"
 
 
-def make_engine(model: str, engine: str):
-    import sglang as sgl
-
+def engine_kwargs(model: str, engine: str) -> dict:
+    """``sgl.Engine``'s arguments for one of ``ENGINES`` (SGLang's server arguments)."""
     backend, kv_dtype, page_size, quantization = ENGINES[engine]
-    return sgl.Engine(
+    return dict(
         model_path=model,
         quantization=quantization,
         skip_tokenizer_init=True,
@@ -84,6 +83,12 @@ def make_engine(model: str, engine: str):
         cuda_graph_max_bs_decode=64,
         log_level="info",  # sgl.Engine's default, "error", hides latentspeed's warm-up lines
     )
+
+
+def make_engine(model: str, engine: str):
+    import sglang as sgl
+
+    return sgl.Engine(**engine_kwargs(model, engine))
 
 
 def generate(engine, token_prompts, max_tokens=GEN_TOKENS):

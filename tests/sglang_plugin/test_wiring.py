@@ -137,3 +137,28 @@ def test_eval_arguments_are_server_args(share):
     assert set(kwargs) <= {f.name for f in fields(ServerArgs)}
     assert kwargs["page_size"] == 64 and kwargs["disable_cuda_graph"]
     assert kwargs.get("max_total_tokens") == (None if share == 1 else 16 * 512 + 4096)
+
+
+def test_gpu_e2e_engines_are_sglang_arguments(monkeypatch):
+    """``tests/gpu/sglang_e2e.py``'s engines are SGLang server arguments with values its command line accepts,
+    and its pairs name known engines: a wrong name fails here, not after minutes on the GPU host."""
+    from dataclasses import fields
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "gpu"))
+    import sglang_e2e
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    choices = ("attention_backend", "prefill_attention_backend", "kv_cache_dtype", "quantization")
+    for engine in sglang_e2e.ENGINES:
+        kwargs = sglang_e2e.engine_kwargs("/models/tiny-dsv3", engine)
+        assert set(kwargs) <= {f.name for f in fields(ServerArgs)}, engine
+        argv = ["--model-path", kwargs["model_path"]]
+        for name in choices:
+            if kwargs[name] is not None:
+                argv += [f"--{name.replace('_', '-')}", kwargs[name]]
+        parsed = parser.parse_args(argv)
+        assert all(getattr(parsed, name) == kwargs[name] for name in choices), engine
+    paired = {engine for pairs in sglang_e2e.PAIRS.values() for pair in pairs for engine in pair}
+    assert paired | set(sglang_e2e.PREFILL_BACKENDS) <= set(sglang_e2e.ENGINES)
