@@ -96,11 +96,10 @@ def prompts(seed: int, count: int, low: int, high: int, vocab: int = 4096) -> li
     return [rng.integers(10, vocab, size=int(n)).tolist() for n in rng.integers(low, high + 1, size=count)]
 
 
-def make_llm(model: str, engine: str, max_model_len: int):
-    from vllm import LLM
-
+def llm_kwargs(model: str, engine: str, max_model_len: int) -> dict:
+    """``vllm.LLM``'s arguments for one of ``ENGINES`` (vLLM's engine arguments)."""
     backend, prefill, kv_dtype, quantization = ENGINES[engine]
-    return LLM(
+    return dict(
         model=model,
         quantization=quantization,
         skip_tokenizer_init=True,
@@ -114,6 +113,12 @@ def make_llm(model: str, engine: str, max_model_len: int):
         attention_config={"backend": backend, **({"mla_prefill_backend": prefill} if prefill else {})},
         compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]},
     )
+
+
+def make_llm(model: str, engine: str, max_model_len: int):
+    from vllm import LLM
+
+    return LLM(**llm_kwargs(model, engine, max_model_len))
 
 
 def generate(llm, token_prompts, max_tokens=GEN_TOKENS):

@@ -183,3 +183,28 @@ def test_a_users_logging_setup_is_left_alone(fresh_latentspeed_logger):
     fresh_latentspeed_logger.addHandler(own)
     vllm_plugin.log_through_vllm()
     assert fresh_latentspeed_logger.handlers == [own] and fresh_latentspeed_logger.propagate
+
+
+def test_gpu_e2e_engines_are_vllm_arguments(monkeypatch):
+    """``tests/gpu/vllm_e2e.py``'s engines are vLLM engine arguments with backends, cache dtypes and quantization
+    methods vLLM knows, and its pairs and environments name known engines: a wrong name fails here, not after
+    minutes on the GPU host."""
+    import dataclasses
+    import typing
+    from pathlib import Path
+
+    from vllm.config.cache import CacheDType
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "gpu"))
+    import vllm_e2e
+
+    for engine in vllm_e2e.ENGINES:
+        kwargs = vllm_e2e.llm_kwargs("/models/tiny-dsv3", engine, 17_000)
+        assert set(kwargs) <= {f.name for f in dataclasses.fields(EngineArgs)}, engine
+        AttentionConfig(**kwargs["attention_config"])  # unknown backend names raise
+        assert kwargs["kv_cache_dtype"] in typing.get_args(CacheDType), engine
+        assert kwargs["quantization"] in (None, *QUANTIZATION_METHODS), engine
+    paired = {engine for pairs in vllm_e2e.PAIRS.values() for pair in pairs for engine in pair}
+    assert paired | set(vllm_e2e.ENGINE_ENV) <= set(vllm_e2e.ENGINES)
