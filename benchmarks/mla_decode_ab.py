@@ -28,71 +28,35 @@ decode_sm90_narrow.USE_FP8_PV=0`` or ``decode_sm90_narrow.PAIRED_FP8=0``.
 
 Where the repository's history cannot be trusted (on the GPU host, ``git rev-parse HEAD`` named the
 session's first commit after later ones had been made here), ``--base`` takes a folder of the three
-modules instead: ``git show REV:common_kernels/mla/decode_sm90_seesaw.py > DIR/...``, made here.
+modules instead: ``git show REV:common_kernels/mla/decode_sm90_seesaw.py > DIR/...``, made here
+(``benchmarks/at_revision.py``). The base needs the three as they are from 2026-12-02 on (the 64-row
+kernel ``decode_sm90_seesaw``, helpers in ``sm90_common``).
 """
 
 import argparse
 import contextlib
-import importlib.util
 import itertools
 import json
-import linecache
-import subprocess
-import sys
 import types
-from pathlib import Path
 
 import torch
 
+from benchmarks.at_revision import exec_at_base, revision_source
 from common_kernels.mla import decode_sm90_narrow, decode_sm90_seesaw, mla_decode, plan_decode, sm90_kernels_apply
 
-REPO = Path(__file__).resolve().parents[1]
 MODULES = {"decode_sm90_seesaw": ("mla_decode_split_kernel_sm90_seesaw", decode_sm90_seesaw),
            "decode_sm90_narrow": ("mla_decode_split_kernel_sm90_narrow", decode_sm90_narrow)}
 OURS = {name: getattr(module, kernel) for name, (kernel, module) in MODULES.items()}
 SHARED = "sm90_common"  # the kernels' helpers: the base side runs on its own copy
 
 
-def revision_source(revision: str, name: str) -> str:
-    """Module ``name``'s source at a git revision, or in a folder of copies (``revision`` names one:
-    for a machine whose git history is missing or stale)."""
-    if Path(revision).is_dir():
-        path = Path(revision) / f"{name}.py"
-        if path.is_file():
-            return path.read_text()
-    else:
-        shown = subprocess.run(["git", "show", f"{revision}:common_kernels/mla/{name}.py"], cwd=REPO,
-                               capture_output=True, text=True)
-        if shown.returncode == 0:
-            return shown.stdout
-    raise ValueError(f"--base {revision}: no {name}.py there; the A/B needs {sorted([*MODULES, SHARED])} as they "
-                     "are from 2026-12-02 on (the 64-row kernel decode_sm90_seesaw, helpers in sm90_common)")
-
-
-def _exec_at_base(revision: str, name: str, source: str) -> types.ModuleType:
-    """``source`` run as module ``common_kernels.mla.<name>_at_base``, its source readable for jit."""
-    qualified = f"common_kernels.mla.{name}_at_base"
-    path = REPO / "common_kernels" / "mla" / f"{name}_at_base.py"  # the name Gluon's errors show; not written
-    spec = importlib.util.spec_from_loader(qualified, loader=None, origin=str(path))
-    module = importlib.util.module_from_spec(spec)
-    module.__package__ = "common_kernels.mla"
-    sys.modules[qualified] = module
-    linecache.cache[str(path)] = (len(source), None, source.splitlines(True), str(path))  # for jit's getsource
-    try:
-        exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 (our own source at a revision)
-    except ImportError as error:  # a revision older than sm90_common
-        raise ValueError(f"--base {revision}: its {name}.py imports what the working tree no longer has "
-                         f"({error}); compare with a revision from 2026-12-02 on") from error
-    return module
-
-
 def load_revision(revision: str) -> dict[str, types.ModuleType]:
     """The revision's sm_90 kernel modules, importable beside the working tree's (as
     ``common_kernels.mla.<name>_at_base``), on the revision's own ``sm90_common``."""
     sources = {name: revision_source(revision, name) for name in (*MODULES, SHARED)}
-    _exec_at_base(revision, SHARED, sources[SHARED])
+    exec_at_base(revision, SHARED, sources[SHARED])
     shared_import = f"from .{SHARED} import"
-    return {name: _exec_at_base(revision, name, sources[name].replace(shared_import, f"from .{SHARED}_at_base import"))
+    return {name: exec_at_base(revision, name, sources[name].replace(shared_import, f"from .{SHARED}_at_base import"))
             for name in MODULES}
 
 

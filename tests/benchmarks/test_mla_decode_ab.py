@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from benchmarks import mla_decode_ab
+from benchmarks import at_revision, mla_decode_ab
 from common_kernels.mla import decode_sm90_narrow, decode_sm90_seesaw, plan_decode, sm90_common
 
 
@@ -17,7 +17,7 @@ def kernels_in_use():
 
 
 def test_a_revisions_kernels_load_beside_ours_and_swap():
-    source = subprocess.run(["git", "show", "HEAD:common_kernels/mla/decode_sm90_seesaw.py"], cwd=mla_decode_ab.REPO,
+    source = subprocess.run(["git", "show", "HEAD:common_kernels/mla/decode_sm90_seesaw.py"], cwd=at_revision.REPO,
                             check=True, capture_output=True, text=True).stdout
     ours = kernels_in_use()
     base = mla_decode_ab.load_revision("HEAD")
@@ -35,7 +35,7 @@ def test_a_revisions_kernels_load_beside_ours_and_swap():
 
 def copy_head(folder, names):
     for name in names:
-        source = subprocess.run(["git", "show", f"HEAD:common_kernels/mla/{name}.py"], cwd=mla_decode_ab.REPO,
+        source = subprocess.run(["git", "show", f"HEAD:common_kernels/mla/{name}.py"], cwd=at_revision.REPO,
                                 check=True, capture_output=True, text=True).stdout
         (folder / f"{name}.py").write_text(source.replace('"""', '"""Copied. ', 1))
 
