@@ -16,15 +16,20 @@ FLOPs count ``2 * H * (D_qk + D_v)`` per query-key pair that the mask keeps. Eac
 provider's output for the first sequence (the first ``--check-tokens`` queries) with ``varlen_attention_ref``.
 
     python -m benchmarks.mla_prefill --heads 128 --out benchmarks/results/mla_prefill.json
+    python -m benchmarks.mla_prefill --providers latentspeed --base HEAD~1 --out ab.json   # a kernel change's A/B
+
+Each row's ``ours_speedup_vs_<provider>`` is that provider's time over ours (above 1: ours is faster).
 """
 
 import argparse
+import functools
 import json
 import sys
 
 import torch
 import triton
 
+from benchmarks.at_revision import exec_at_base, revision_source
 from common_kernels.mla import varlen_attention
 from common_kernels.mla.reference import varlen_attention_ref
 
@@ -56,9 +61,9 @@ def make_inputs(num_seqs, len_q, len_k, heads, seed=0):
     return q, k, v, cu_q, cu_k
 
 
-def ours(q, k, v, cu_q, cu_k, len_q, len_k, causal):
+def ours(q, k, v, cu_q, cu_k, len_q, len_k, causal, attention=varlen_attention):
     out = torch.empty(q.shape[0], q.shape[1], D_V, dtype=q.dtype, device=DEVICE)
-    return lambda: varlen_attention(q, k, v, cu_q, cu_k, len_q, SCALE, causal, return_lse=not causal, out=out)
+    return lambda: attention(q, k, v, cu_q, cu_k, len_q, SCALE, causal, return_lse=not causal, out=out)
 
 
 def fa3(q, k, v, cu_q, cu_k, len_q, len_k, causal):
@@ -104,8 +109,14 @@ def main():
                                                          "chunk:4x8192x8192")])
     parser.add_argument("--providers", nargs="+", choices=list(PROVIDERS), default=list(PROVIDERS))
     parser.add_argument("--check-tokens", type=int, default=512)
+    parser.add_argument("--base", help="also time common_kernels/mla/prefill.py at this git revision (or in this "
+                                       "folder) as latentspeed-base: an A/B in one process")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    providers = {name: PROVIDERS[name] for name in args.providers}
+    if args.base:
+        base = exec_at_base(args.base, "prefill", revision_source(args.base, "prefill"))
+        providers["latentspeed-base"] = functools.partial(ours, attention=base.varlen_attention)
     rows = []
     for heads in args.heads:
         for kind, num_seqs, len_q, len_k in args.cases:
@@ -119,9 +130,9 @@ def main():
             ref, _ = varlen_attention_ref(q[:n], k[:seen], v[:seen], ref_cu_q, ref_cu_k, SCALE, causal)
             flops = 2 * heads * (D_QK + D_V) * kept_pairs(num_seqs, len_q, len_k, causal)
             baseline, shape_rows = {}, []
-            for name in args.providers:
+            for name, make in providers.items():
                 try:
-                    fn = PROVIDERS[name](q, k, v, cu_q, cu_k, len_q, len_k, causal)
+                    fn = make(q, k, v, cu_q, cu_k, len_q, len_k, causal)
                     got = first_output(fn())[:n].float()
                 except Exception as err:  # an engine kernel missing or refusing this shape
                     print(f"{name} {kind} H{heads} {num_seqs}x{len_q}x{len_k}: unavailable "

@@ -4,6 +4,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,3 +45,23 @@ def test_a_small_run_writes_rows_within_the_reference(tmp_path, monkeypatch):
     assert shapes == [("causal", 2, 16, 16), ("chunk", 1, 8, 24)]
     assert all(r["rel_err"] < 1e-2 for r in rows)
     assert rows[0]["tflop_s"] == pytest.approx(2 * 2 * (192 + 128) * kept_pairs(2, 16, 16, True) / 2.0 / 1e9)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs our kernel under the Triton interpreter")
+def test_base_revision_runs_beside_ours(tmp_path, monkeypatch):
+    """``--base`` times a revision's prefill.py as latentspeed-base, and each row gives the speed-up against it."""
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    (base_dir / "prefill.py").write_text(Path(mla_prefill.__file__).parents[1].joinpath(
+        "common_kernels", "mla", "prefill.py").read_text())
+    monkeypatch.setattr(mla_prefill, "DEVICE", "cpu")
+    times = iter([2.0, 3.0])
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: (fn(), next(times))[1])
+    out = tmp_path / "ab.json"
+    monkeypatch.setattr(sys, "argv", ["mla_prefill", "--heads", "1", "--cases", "causal:1x16", "--providers",
+                                      "latentspeed", "--base", str(base_dir), "--check-tokens", "8", "--out", str(out)])
+    mla_prefill.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["provider"] for r in rows] == ["latentspeed", "latentspeed-base"]
+    assert all(r["rel_err"] < 1e-2 for r in rows)
+    assert rows[0]["ours_speedup_vs_latentspeed-base"] == pytest.approx(1.5)
