@@ -34,6 +34,46 @@ _PREFILL_CONFIGS = (
 )
 
 
+@triton.jit
+def _attend_keys(acc, m_i, l_i, q_a, q_b, k_ptr, v_ptr, k_start, head, n0, offs_m, len_k, shift, qk_scale_log2,
+                 stride_k_t, stride_k_h, stride_v_t, stride_v_h, D_A: tl.constexpr, D_B: tl.constexpr,
+                 D_V: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Fold keys ``[n0, n0 + BLOCK_N)`` into the running softmax ``(acc, m_i, l_i)`` of a block of query rows.
+    ``MASKED``: mask keys past ``len_k`` and, if ``CAUSAL``, those a row does not see; without it every key of the
+    block must exist and be seen by every row."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < len_k
+    offs_a = tl.arange(0, D_A)
+    offs_v = tl.arange(0, D_V)
+    k_rows = k_ptr + (k_start + offs_n)[:, None] * stride_k_t + head * stride_k_h
+    v_rows = v_ptr + (k_start + offs_n)[:, None] * stride_v_t + head * stride_v_h
+    if MASKED:
+        k_a = tl.load(k_rows + offs_a[None, :], mask=mask_n[:, None], other=0.0)  # [BLOCK_N, D_A]
+    else:
+        k_a = tl.load(k_rows + offs_a[None, :])
+    scores = tl.dot(q_a, tl.trans(k_a))  # [BLOCK_M, BLOCK_N]
+    if D_B > 0:
+        offs_b = tl.arange(0, D_B)
+        if MASKED:
+            k_b = tl.load(k_rows + D_A + offs_b[None, :], mask=mask_n[:, None], other=0.0)
+        else:
+            k_b = tl.load(k_rows + D_A + offs_b[None, :])
+        scores = tl.dot(q_b, tl.trans(k_b), scores)
+    scores = scores * qk_scale_log2
+    if MASKED:
+        seen = mask_n[None, :]
+        if CAUSAL:
+            seen = seen & (offs_n[None, :] <= offs_m[:, None] + shift)
+        scores = tl.where(seen, scores, float("-inf"))
+    p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
+    if MASKED:
+        v = tl.load(v_rows + offs_v[None, :], mask=mask_n[:, None], other=0.0)  # [BLOCK_N, D_V]
+    else:
+        v = tl.load(v_rows + offs_v[None, :])
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, m_i, l_i
+
+
 @triton.autotune(configs=_PREFILL_CONFIGS, key=["D_A", "D_B", "D_V", "CAUSAL"])
 @triton.jit(do_not_specialize=["stride_lse_h"])  # the token count: one compiled kernel for any batch
 def _varlen_attention_kernel(
@@ -63,7 +103,7 @@ def _varlen_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the last query blocks, the longest under a causal mask, first
     seq = tl.program_id(1)
     head = tl.program_id(2).to(tl.int64)
     q_start = tl.load(cu_q_ptr + seq).to(tl.int64)
@@ -80,37 +120,31 @@ def _varlen_attention_kernel(
     if D_B > 0:
         offs_b = tl.arange(0, D_B)
         q_b = tl.load(q_rows + D_A + offs_b[None, :], mask=mask_m[:, None], other=0.0)  # [BLOCK_M, D_B]
+    else:
+        q_b = q_a
 
-    # Query i sees keys j <= i + shift (bottom-right causal alignment).
+    # Query i sees keys j <= i + shift (bottom-right causal alignment). Keys [0, full) are seen by every row of
+    # the block and exist: they need no mask. Keys [full, hi) do.
     shift = len_k - len_q
     hi = len_k
+    full = len_k
     if CAUSAL:
         hi = tl.minimum(len_k, (pid_m + 1) * BLOCK_M + shift)
+        full = tl.minimum(len_k, pid_m * BLOCK_M + shift + 1)
     hi = tl.where(pid_m * BLOCK_M < len_q, hi, 0)
+    full = tl.minimum(tl.maximum(full, 0) // BLOCK_N * BLOCK_N, hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_V], tl.float32)
-    for n0 in range(0, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < len_k
-        k_rows = k_ptr + (k_start + offs_n)[:, None] * stride_k_t + head * stride_k_h
-        k_a = tl.load(k_rows + offs_a[None, :], mask=mask_n[:, None], other=0.0)  # [BLOCK_N, D_A]
-        scores = tl.dot(q_a, tl.trans(k_a))  # [BLOCK_M, BLOCK_N]
-        if D_B > 0:
-            k_b = tl.load(k_rows + D_A + offs_b[None, :], mask=mask_n[:, None], other=0.0)
-            scores = tl.dot(q_b, tl.trans(k_b), scores)
-        seen = mask_n[None, :]
-        if CAUSAL:
-            seen = seen & (offs_n[None, :] <= offs_m[:, None] + shift)
-        scores = tl.where(seen, scores * qk_scale_log2, float("-inf"))
-        p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i)
-        v = tl.load(
-            v_ptr + (k_start + offs_n)[:, None] * stride_v_t + head * stride_v_h + offs_v[None, :],
-            mask=mask_n[:, None],
-            other=0.0,
-        )  # [BLOCK_N, D_V]
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    for n0 in range(0, full, BLOCK_N):
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q_a, q_b, k_ptr, v_ptr, k_start, head, n0, offs_m, len_k, shift,
+                                     qk_scale_log2, stride_k_t, stride_k_h, stride_v_t, stride_v_h, D_A, D_B, D_V,
+                                     CAUSAL, False, BLOCK_N)
+    for n0 in range(full, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q_a, q_b, k_ptr, v_ptr, k_start, head, n0, offs_m, len_k, shift,
+                                     qk_scale_log2, stride_k_t, stride_k_h, stride_v_t, stride_v_h, D_A, D_B, D_V,
+                                     CAUSAL, True, BLOCK_N)
 
     inv_l, lse = finish_softmax(m_i, l_i)
     out = acc * inv_l[:, None]
