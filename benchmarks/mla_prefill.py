@@ -30,7 +30,7 @@ import torch
 import triton
 
 from benchmarks.at_revision import exec_at_base, revision_source
-from common_kernels.mla import varlen_attention
+from common_kernels.mla import prefill
 from common_kernels.mla.reference import varlen_attention_ref
 
 D_QK, D_V = 192, 128
@@ -61,9 +61,18 @@ def make_inputs(num_seqs, len_q, len_k, heads, seed=0):
     return q, k, v, cu_q, cu_k
 
 
-def ours(q, k, v, cu_q, cu_k, len_q, len_k, causal, attention=varlen_attention):
+def ours(q, k, v, cu_q, cu_k, len_q, len_k, causal, module=prefill):
+    """``module.varlen_attention``, its autotuner's choice forgotten first: each case is tuned on its own shape (an
+    engine tunes once, on its first prefill), and the row records the config it took."""
+    kernel = module._varlen_attention_kernel
+    kernel.cache.clear()
     out = torch.empty(q.shape[0], q.shape[1], D_V, dtype=q.dtype, device=DEVICE)
-    return lambda: attention(q, k, v, cu_q, cu_k, len_q, SCALE, causal, return_lse=not causal, out=out)
+
+    def run():
+        return module.varlen_attention(q, k, v, cu_q, cu_k, len_q, SCALE, causal, return_lse=not causal, out=out)
+
+    run.config = lambda: str(kernel.best_config)
+    return run
 
 
 def fa3(q, k, v, cu_q, cu_k, len_q, len_k, causal):
@@ -116,7 +125,7 @@ def main():
     providers = {name: PROVIDERS[name] for name in args.providers}
     if args.base:
         base = exec_at_base(args.base, "prefill", revision_source(args.base, "prefill"))
-        providers["latentspeed-base"] = functools.partial(ours, attention=base.varlen_attention)
+        providers["latentspeed-base"] = functools.partial(ours, module=base)
     rows = []
     for heads in args.heads:
         for kind, num_seqs, len_q, len_k in args.cases:
@@ -142,7 +151,8 @@ def main():
                 baseline[name] = ms
                 row = dict(case=kind, heads=heads, seqs=num_seqs, len_q=len_q, len_k=len_k, provider=name,
                            us=ms * 1e3, tflop_s=flops / ms / 1e9,
-                           rel_err=((got - ref).norm() / ref.norm()).item())
+                           rel_err=((got - ref).norm() / ref.norm()).item(),
+                           config=fn.config() if hasattr(fn, "config") else None)
                 shape_rows.append(row)
             for row in shape_rows:
                 row.update({f"ours_speedup_vs_{p}": baseline[p] / baseline["latentspeed"]

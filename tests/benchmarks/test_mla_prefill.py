@@ -65,3 +65,4 @@ def test_base_revision_runs_beside_ours(tmp_path, monkeypatch):
     assert [r["provider"] for r in rows] == ["latentspeed", "latentspeed-base"]
     assert all(r["rel_err"] < 1e-2 for r in rows)
     assert rows[0]["ours_speedup_vs_latentspeed-base"] == pytest.approx(1.5)
+    assert all("BLOCK_M: 16" in r["config"] for r in rows)  # the interpreter's one config, as each side took it
