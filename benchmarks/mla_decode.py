@@ -148,7 +148,7 @@ def flashinfer_mla(q, cache, block_table, seq_lens, q_len, kv_scale):
     of SGLang's ``flashinfer`` MLA backend. Planned once on the host before the timed calls (SGLang
     plans before each step); SGLang serves it with pages of one token, the table with 64 as for every
     provider. bf16 and E4M3 caches (per-tensor scales); no E5M2. Timed as eager calls even under
-    ``--cuda-graph``: its replays failed (an illegal address, or "operation not supported on
+    ``--cuda-graph`` (``eager_only``): its replays failed (an illegal address, or "operation not supported on
     global/shared address space") unless its graph was the first captured in the process."""
     if cache.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
         return None
@@ -166,7 +166,12 @@ def flashinfer_mla(q, cache, block_table, seq_lens, q_len, kv_scale):
     ckv, kpe = cache[..., :D_LATENT], cache[..., D_LATENT:]
     scales = {} if cache.dtype == torch.bfloat16 else dict(ckv_scale=kv_scale.item(), kpe_scale=kv_scale.item())
     out = torch.empty_like(q_nope)
-    return lambda: wrapper.run(q_nope, q_pe, ckv, kpe, out=out, **scales)
+
+    def run():
+        return wrapper.run(q_nope, q_pe, ckv, kpe, out=out, **scales)
+
+    run.eager_only = True
+    return run
 
 
 def triton_mla(q, cache, block_table, seq_lens, q_len, kv_scale):
@@ -269,7 +274,7 @@ def main():
                             if args.cuda_graph and name == "FLASH_ATTN_MLA":
                                 metadata_us = 1e3 * triton.testing.do_bench(
                                     in_cuda_graph(fn.metadata), warmup=25, rep=200, return_mode="median")
-                            in_graph = args.cuda_graph and name != "FLASHINFER_MLA"
+                            in_graph = args.cuda_graph and not getattr(fn, "eager_only", False)
                             fn = in_cuda_graph(fn) if in_graph else fn
                             outs[name] = fn().float().reshape(q.shape[0], heads, D_LATENT).clone()
                         except Exception as err:  # an engine kernel missing or refusing this shape
