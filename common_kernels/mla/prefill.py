@@ -13,6 +13,7 @@ tokens against themselves (``L_q == L_k``, causal) and new tokens against a chun
 context (not causal). FlashAttention-2's tiling (Dao, 2023, arXiv:2307.08691).
 """
 
+import functools
 import os
 
 import torch
@@ -24,14 +25,42 @@ from .softmax import finish_softmax, online_softmax_step
 
 _LOG2E = 1.4426950408889634
 
-_PREFILL_CONFIGS = (
-    [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    if os.environ.get("TRITON_INTERPRET") == "1"
-    else [
-        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
-        for m, n, w, st in ((128, 64, 8, 2), (64, 64, 4, 2))
-    ]
-)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages), fastest first. On an H100 128 x 64 with three stages was the fastest or
+# level with the others at every case of benchmarks/mla_prefill.py (64 x 1k to 4 x 16k tokens, 16 and 128 heads;
+# results/mla_prefill-configs-h100-2026-12-06-s42.md); the smaller ones are for GPUs with less shared memory.
+_PREFILL_CONFIGS = ((128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2))
+_INTERPRETER_CONFIG = (16, 16, 4, 1)
+_SHARED_MEMORY_SLACK = 1024  # bytes Triton adds to the tiles (barriers)
+
+
+def shared_memory_needed(config: tuple[int, int, int, int], d_qk: int, d_v: int, element_size: int) -> int:
+    """Bytes of shared memory a block of ``config`` takes: the query block stays resident, and each of
+    ``num_stages`` stages holds a key and a value block."""
+    block_m, block_n, _, num_stages = config
+    return (block_m * d_qk + num_stages * block_n * (d_qk + d_v)) * element_size + _SHARED_MEMORY_SLACK
+
+
+def prefill_config(d_qk: int, d_v: int, element_size: int, shared_memory: int) -> tuple[int, int, int, int]:
+    """The fastest of ``_PREFILL_CONFIGS`` that fits in ``shared_memory`` bytes a block. Raises ``ValueError`` if
+    none does."""
+    for config in _PREFILL_CONFIGS:
+        if shared_memory_needed(config, d_qk, d_v, element_size) <= shared_memory:
+            return config
+    raise ValueError(f"prefill with head sizes {d_qk}/{d_v} needs more shared memory a block than this GPU has "
+                     f"({shared_memory} bytes)")
+
+
+@functools.cache
+def _shared_memory(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+def launch_config(device: torch.device, d_qk: int, d_v: int, element_size: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of ``varlen_attention`` on ``device`` (small blocks in the
+    Triton interpreter)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return _INTERPRETER_CONFIG
+    return prefill_config(d_qk, d_v, element_size, _shared_memory(device))
 
 
 @triton.jit
@@ -74,7 +103,6 @@ def _attend_keys(acc, m_i, l_i, q_a, q_b, k_ptr, v_ptr, k_start, head, n0, offs_
     return acc, m_i, l_i
 
 
-@triton.autotune(configs=_PREFILL_CONFIGS, key=["D_A", "D_B", "D_V", "CAUSAL"])
 @triton.jit(do_not_specialize=["stride_lse_h"])  # the token count: one compiled kernel for any batch
 def _varlen_attention_kernel(
     q_ptr,
@@ -220,10 +248,8 @@ def varlen_attention(
     lse = q.new_empty(num_heads, num_q, dtype=torch.float32) if return_lse else out
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_q and num_seqs and max_seqlen_q > 0:
-
-        def grid(meta):
-            return (triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), num_seqs, num_heads)
-
+        block_m, block_n, num_warps, num_stages = launch_config(q.device, d_qk, d_v, q.element_size())
+        grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, num_heads)
         _varlen_attention_kernel[grid](
             q,
             k,
@@ -248,5 +274,9 @@ def varlen_attention(
             D_V=d_v,
             CAUSAL=causal,
             STORE_LSE=return_lse,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
     return (out, lse) if return_lse else out

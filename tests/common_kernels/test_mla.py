@@ -18,6 +18,7 @@ from common_kernels.mla import (
     write_latent_cache,
 )
 from common_kernels.mla import reference
+from common_kernels.mla.prefill import prefill_config, shared_memory_needed
 from common_kernels.mla.reference import (
     fp8_probs_spread,
     fp8_probs_weights,
@@ -567,6 +568,23 @@ def test_varlen_attention_matches_reference(case, d_qk, d_v, dtype):
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
     assert_close(got, ref, atol=tol, rtol=tol, name="prefill out")
     assert_close(lse, ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1], name="prefill lse")
+
+
+@pytest.mark.parametrize("shared_memory,config", [
+    (227 * 1024, (128, 64, 8, 3)),  # sm_90: three stages, the fastest measured on an H100
+    (163 * 1024, (128, 64, 8, 2)),  # sm_80
+    (99 * 1024, (64, 32, 4, 2)),  # sm_86 / sm_89
+])
+def test_prefill_config_is_the_first_that_fits(shared_memory, config):
+    assert prefill_config(192, 128, 2, shared_memory) == config
+    assert shared_memory_needed(config, 192, 128, 2) <= shared_memory
+
+
+def test_prefill_config_names_a_shortfall_of_shared_memory():
+    with pytest.raises(ValueError, match="shared memory.*49152 bytes"):
+        prefill_config(192, 128, 2, 48 * 1024)
+    with pytest.raises(ValueError, match="head sizes 1024/512"):
+        prefill_config(1024, 512, 2, 227 * 1024)
 
 
 def test_split_head_dim():
