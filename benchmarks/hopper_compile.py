@@ -4,6 +4,7 @@ copies and the MMA layouts Triton chose.
 
     python -m benchmarks.hopper_compile decode --heads 128 --cache bf16
     python -m benchmarks.hopper_compile gemm --block 64 128 --warps 4 --stages 4
+    python -m benchmarks.hopper_compile prefill     # every block config the prefill kernel may launch with
     python -m benchmarks.hopper_compile all        # every kernel of common_kernels
 
 The launches mirror the real ones (``_launch_config`` and ``plan_decode`` for the decode, a
@@ -30,6 +31,7 @@ from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 from triton.runtime.jit import mangle_type
 
 HOPPER = GPUTarget("cuda", 90, 128)
+HOPPER_SHARED_MEMORY = 227 * 1024  # bytes a block may opt into on sm_90
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
                  torch.float8_e5m2: "fp8e5", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
 
@@ -173,6 +175,18 @@ def gemm_report(block_m: int, block_n: int, num_warps: int, num_stages: int, max
                               unaligned=("M", "splits", "stride_asm", "stride_bsn"), maxnreg=maxnreg)
 
 
+def prefill_report(block_m: int, block_n: int, num_warps: int, num_stages: int, causal: bool = True) -> HopperReport:
+    """The prefill kernel at DeepSeek-V3's head sizes (192/128, bf16) in one block config."""
+    from common_kernels.mla import prefill
+
+    bf16, f32, i32 = torch.bfloat16, torch.float32, torch.int32
+    return compile_for_hopper(
+        prefill._varlen_attention_kernel,
+        dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, out_ptr=bf16, lse_ptr=f32, cu_q_ptr=i32, cu_k_ptr=i32),
+        dict(D_A=128, D_B=64, D_V=128, CAUSAL=causal, STORE_LSE=not causal, BLOCK_M=block_m, BLOCK_N=block_n),
+        num_warps, num_stages, floats=("qk_scale_log2",), unaligned=("stride_lse_t",))
+
+
 def every_kernel_report() -> dict[str, HopperReport]:
     """Every launchable kernel of ``common_kernels`` at a DeepSeek-V3 launch (fp8 E4M3 where the
     kernel takes fp8), for a check that all of them compile for Hopper."""
@@ -195,11 +209,7 @@ def every_kernel_report() -> dict[str, HopperReport]:
         cache._write_latent_cache_kernel,
         dict(kv_c_ptr=bf16, k_pe_ptr=bf16, cache_ptr=fp8, slot_ptr=i64, scale_ptr=f32, stats_ptr=i32),
         dict(D_LATENT=512, D_ROPE=64, PAGE_SIZE=64, IS_FP8=True, FP8_MAX=448.0, TRACK_STATS=True), 4, 3)
-    reports["prefill, 192/128, causal"] = compile_for_hopper(
-        prefill._varlen_attention_kernel.fn,
-        dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, out_ptr=bf16, lse_ptr=f32, cu_q_ptr=i32, cu_k_ptr=i32),
-        dict(D_A=128, D_B=64, D_V=128, CAUSAL=True, STORE_LSE=True, BLOCK_M=128, BLOCK_N=64), 8, 2,
-        floats=("qk_scale_log2",), unaligned=("stride_lse_t",))
+    reports["prefill, 192/128, causal"] = prefill_report(*prefill.prefill_config(192, 128, 2, HOPPER_SHARED_MEMORY))
     reports["group quantizer"] = compile_for_hopper(
         quant._group_quant_kernel, dict(x_ptr=bf16, q_ptr=fp8, scale_ptr=f32, stats_ptr=i32),
         dict(GROUP=128, POW2_SCALE=False, TRACK_STATS=True, BLOCK_ROWS=quant.GROUP_BLOCK_ROWS, **e4m3), 4, 3,
@@ -344,6 +354,7 @@ def main(argv=None):
     decode.add_argument("--extend", action="store_true",
                         help="also the two launches of an extend with fresh_kv (prefix from the cache, own rows dense)")
     kernels.add_parser("all", help="every kernel at a DeepSeek-V3 launch")
+    kernels.add_parser("prefill", help="the prefill kernel in each block config it may launch with")
     gemm = kernels.add_parser("gemm")
     gemm.add_argument("--block", type=int, nargs=2, default=[64, 128], metavar=("M", "N"))
     gemm.add_argument("--warps", type=int, default=4)
@@ -367,6 +378,12 @@ def main(argv=None):
                                                                          keys_dense=True)
     elif args.kernel == "all":
         reports = every_kernel_report()
+    elif args.kernel == "prefill":
+        from common_kernels.mla.prefill import _PREFILL_CONFIGS
+
+        for config in _PREFILL_CONFIGS:
+            for causal in (True, False):
+                reports[f"prefill {config}, {'causal' if causal else 'chunk'}"] = prefill_report(*config, causal)
     else:
         label = f"gemm {args.block[0]}x{args.block[1]}, {args.warps} warps, {args.stages} stages"
         label += (f", maxnreg {args.maxnreg}" if args.maxnreg else "") + (", swapped" if args.swap_ab else "")

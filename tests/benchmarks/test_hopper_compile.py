@@ -147,3 +147,17 @@ def test_unknown_arguments_are_named():
 
     with pytest.raises(ValueError, match="no_such_ptr"):
         compile_for_hopper(_split_k_sum_kernel, {"no_such_ptr": None}, {}, 4, 1)
+
+
+def test_each_prefill_config_fits_the_shared_memory_it_is_chosen_by():
+    """``prefill_config`` picks the block config by ``shared_memory_needed``: compiled, no config may take more, and
+    none may spill."""
+    from common_kernels.mla.prefill import _PREFILL_CONFIGS, shared_memory_needed
+
+    reports = hopper_compile("prefill")
+    assert len(reports) == 2 * len(_PREFILL_CONFIGS)
+    for config in _PREFILL_CONFIGS:
+        for kind in ("causal", "chunk"):
+            report = reports[f"prefill {config}, {kind}"]
+            assert report["shared_bytes"] <= shared_memory_needed(config, 192, 128, 2), (config, kind)
+            assert report["spill_bytes"] == 0 and report["async_copies"] > 0, (config, kind)
