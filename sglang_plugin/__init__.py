@@ -59,8 +59,19 @@ def after_forward(result, *args, **kwargs) -> None:
 
 
 def create_backend(runner):
-    """SGLang's factory signature: ``fn(model_runner) -> AttentionBackend``."""
+    """SGLang's factory signature: ``fn(model_runner) -> AttentionBackend``. Where it runs the extends
+    (``--attention-backend`` or ``--prefill-attention-backend latentspeed``), the MHA prefill's kernel
+    variants are compiled here, not on the first long prompt."""
+    import torch
+
+    from common_kernels.mla import warm_up_varlen_attention
+
     from .mla import LatentspeedMLABackend, register_deepseek_dispatch
 
     register_deepseek_dispatch()
-    return LatentspeedMLABackend(runner)
+    backend = LatentspeedMLABackend(runner)
+    if runner.server_args.get_attention_backends()[0] == BACKEND_NAME:
+        config = runner.model_config
+        warm_up_varlen_attention(torch.device(runner.device), runner.dtype,
+                                 config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim)
+    return backend

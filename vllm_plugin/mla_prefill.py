@@ -3,17 +3,24 @@
 vLLM up-projects the latent cache into ordinary heads for prefill and calls this backend for
 the new tokens (causal) and for each chunk of cached context (not causal), then merges the
 pieces by their log-sum-exp. Both calls run ``common_kernels.mla.varlen_attention``, which
-takes ``D_qk = 192`` as 128 + 64 without padding and ``D_v = 128`` without padding V.
+takes ``D_qk = 192`` as 128 + 64 without padding and ``D_v = 128`` without padding V. Its
+variants are compiled when the backend is made, before vLLM's JIT monitor starts.
 """
 
 import torch
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backends.mla.prefill.base import MLADimensions, MLAPrefillBackend
 
-from common_kernels.mla import split_head_dim, varlen_attention
+from common_kernels.mla import split_head_dim, varlen_attention, warm_up_varlen_attention
 
 
 class LatentspeedMLAPrefill(MLAPrefillBackend):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        warm_up_varlen_attention(torch.device(self.vllm_config.device_config.device_type),
+                                 self.vllm_config.model_config.dtype, self.qk_nope_head_dim + self.qk_rope_head_dim,
+                                 self.v_head_dim)
+
     @staticmethod
     def get_name() -> str:
         return "LATENTSPEED"

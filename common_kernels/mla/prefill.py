@@ -280,3 +280,21 @@ def varlen_attention(
             num_stages=num_stages,
         )
     return (out, lse) if return_lse else out
+
+
+@functools.cache
+def warm_up_varlen_attention(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int) -> None:
+    """Compile ``varlen_attention`` for each launch the engines make: new tokens without the log-sum-exp, new tokens
+    with it (after a cached prefix) and a chunk of cached context. An engine's own warm-up runs only the first, so
+    the others compiled on the first long or prefix-cached prompt, while serving (vLLM's JIT monitor named the
+    kernel: ``benchmarks/results/mla_prefill-final-h100-2026-12-06-s43.md``). Runs once per process and arguments,
+    on a few zeros; nothing on a CPU or in Triton's interpreter. The kernel's compiled variants do not depend on
+    the token, sequence or head counts; inputs whose rows are not 16-byte aligned would still compile their own."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    q = torch.zeros(16, 1, d_qk, dtype=dtype, device=device)
+    kv = torch.zeros(16, 1, d_qk + d_v, dtype=dtype, device=device)
+    cu = torch.tensor([0, 16], dtype=torch.int32, device=device)
+    for causal, return_lse in ((True, False), (True, True), (False, True)):
+        varlen_attention(q, kv[..., :d_qk], kv[..., d_qk:], cu, cu, 16, 1.0, causal=causal, return_lse=return_lse)
+    torch.cuda.synchronize(device)

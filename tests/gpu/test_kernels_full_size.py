@@ -100,6 +100,30 @@ def test_prefill_full_size(causal):
     assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3, name="prefill lse")
 
 
+def test_prefill_warm_up_covers_the_engines_launches():
+    """After ``warm_up_varlen_attention`` the launches both engines make compile nothing more: other head and token
+    counts, one-token sequences, empty chunks, V a view of a wider buffer, an output buffer handed in."""
+    from common_kernels.mla import prefill
+
+    kernel = prefill._varlen_attention_kernel
+    kernel.device_caches.clear()
+    prefill.warm_up_varlen_attention.cache_clear()
+    prefill.warm_up_varlen_attention(torch.device("cuda"), torch.bfloat16, 192, 128)
+    compiled = kernel.device_caches[torch.cuda.current_device()][0]
+    assert len(compiled) == 3
+    for heads, q_lens, k_lens, causal, lse in ((128, [1500, 1, 37], None, True, False), (16, [1], None, True, True),
+                                               (128, [300, 5, 800], [4000, 0, 123], False, True)):
+        k_lens = k_lens or q_lens
+        cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        q = torch.randn(sum(q_lens), heads, 192, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(sum(k_lens), heads, 192, device="cuda", dtype=torch.bfloat16)
+        kv_nope = torch.randn(sum(k_lens), heads, 256, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(sum(q_lens), heads * 128, device="cuda", dtype=torch.bfloat16).view(-1, heads, 128)
+        varlen_attention(q, k, kv_nope[..., 128:], cu_q, cu_k, max(q_lens), 192**-0.5, causal, return_lse=lse, out=out)
+    assert len(compiled) == 3
+
+
 @pytest.mark.parametrize("cache_name", CACHE_DTYPES.keys())
 def test_tree_and_ragged_decode_full_size(cache_name):
     """Tree verification (16 draft tokens) and ragged chunks over a prefix, at 128 heads."""
