@@ -264,3 +264,19 @@ def test_mha_over_prefix_chunks_merges_to_attention_over_the_whole_sequence():
 def test_unsupported_models_are_refused_at_start(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_backend(**kwargs)
+
+
+@pytest.mark.parametrize("prefill", [None, "fa3"], ids=["prefill_latentspeed", "prefill_fa3"])
+def test_the_factory_builds_the_backend_whichever_backend_runs_the_extends(prefill):
+    """SGLang's factory reads the prefill backend off the server arguments (to compile the MHA prefill only where
+    it runs; on the CPU nothing compiles)."""
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_plugin import BACKEND_NAME, create_backend
+
+    _, runner = make_backend()
+    runner.server_args = SimpleNamespace(attention_backend=BACKEND_NAME, prefill_attention_backend=prefill,
+                                         decode_attention_backend=None)
+    runner.server_args.get_attention_backends = ServerArgs.get_attention_backends.__get__(runner.server_args)
+    with get_parallel().override(attn_tp_size=1):
+        assert isinstance(create_backend(runner), LatentspeedMLABackend)
