@@ -285,7 +285,7 @@ def varlen_attention(
 @functools.cache
 def warm_up_varlen_attention(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int) -> None:
     """Compile ``varlen_attention`` for each launch the engines make: new tokens without the log-sum-exp, new tokens
-    with it (after a cached prefix) and a chunk of cached context. An engine's own warm-up runs only the first, so
+    with it (after a cached prefix) and a chunk of cached context. vLLM's own warm-up runs only the first, so
     the others compiled on the first long or prefix-cached prompt, while serving (vLLM's JIT monitor named the
     kernel: ``benchmarks/results/mla_prefill-final-h100-2026-12-06-s43.md``). Runs once per process and arguments,
     on a few zeros; nothing on a CPU or in Triton's interpreter. The kernel's compiled variants do not depend on
