@@ -213,17 +213,29 @@ def worker(args):
     Path(task["workdir"], f"{task['engine']}{task.get('suffix', '')}.json").write_text(json.dumps(result))
 
 
-def run_engine(script: str, workdir: Path, model: str, engine: str, engine_env: dict = ENGINE_ENV, **task):
-    """Run ``script worker`` for one engine in its own process; return what it wrote."""
-    task_path = workdir / f"task-{engine}{task.get('suffix', '')}.json"
+LOG_TAIL_LINES = 60  # of a failed engine's output, kept in the report
+
+
+def run_engine(script: str, workdir: Path, model: str, engine: str, engine_env: dict = ENGINE_ENV, **task) -> dict:
+    """Run ``script worker`` for one engine in its own process; return what it wrote, or, if it failed,
+    ``{"failed": rc, "log_tail": [its output's last lines]}``. Its output goes to ``WORKDIR/ENGINE[SUFFIX].log``
+    and is printed when it ends."""
+    name = f"{engine}{task.get('suffix', '')}"
+    task_path = workdir / f"task-{name}.json"
     task_path.write_text(json.dumps({"model": model, "engine": engine, "workdir": str(workdir), **task}))
+    log = workdir / f"{name}.log"
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, script, "worker", "--task", str(task_path)], cwd=REPO, check=False,
-                          env=dict(os.environ, **engine_env.get(engine, {})))
+    with log.open("w") as out:
+        proc = subprocess.run([sys.executable, script, "worker", "--task", str(task_path)], cwd=REPO, check=False,
+                              env=dict(os.environ, **engine_env.get(engine, {})), stdout=out, stderr=subprocess.STDOUT)
+    output = log.read_text(errors="replace")
+    print(output, end="", flush=True)
     print(f"[e2e] {engine} {task} finished rc={proc.returncode} in {time.perf_counter() - t0:.0f}s", flush=True)
     if proc.returncode:
-        raise SystemExit(f"engine {engine} failed (rc={proc.returncode})")
-    return json.loads((workdir / f"{engine}{task.get('suffix', '')}.json").read_text())
+        tail = output.splitlines()[-LOG_TAIL_LINES:]
+        print(f"[e2e] {engine} FAILED (rc={proc.returncode}); its last lines:", *tail, sep="\n[e2e]   ", flush=True)
+        return {"failed": proc.returncode, "log_tail": tail}
+    return json.loads((workdir / f"{name}.json").read_text())
 
 
 def summarize(decode_lps, score_lps):
@@ -242,7 +254,7 @@ def driver(args, engine_names=tuple(ENGINES), pair_groups=PAIRS, script=__file__
     workdir, model = tiny_model(args)
     pairs = pair_groups[args.group]
     engines = sorted({e for pair in pairs for e in pair}, key=list(engine_names).index)
-    runs = {}
+    runs, failures = {}, {}
     for engine in engines:  # everyone decodes; each scores what its partner decoded, if ready
         previous = workdir / f"{engine}.json"
         if args.reuse and previous.exists() and json.loads(previous.read_text()).get("model") == model:
@@ -250,19 +262,30 @@ def driver(args, engine_names=tuple(ENGINES), pair_groups=PAIRS, script=__file__
             continue
         partners = [a if b == engine else b for a, b in pairs if engine in (a, b)]
         ready = [p for p in partners if p in runs]
-        runs[engine] = run_engine(script, workdir, model, engine, engine_env, generate=True, score=ready,
-                                  throughput=args.throughput and not is_floor(engine))
-    for engine in engines:  # scores that were not ready on the first pass
+        run = run_engine(script, workdir, model, engine, engine_env, generate=True, score=ready,
+                         throughput=args.throughput and not is_floor(engine))
+        if "failed" in run:
+            failures[engine] = run
+        else:
+            runs[engine] = run
+    for engine in runs:  # scores that were not ready on the first pass
         partners = [a if b == engine else b for a, b in pairs if engine in (a, b)]
-        missing = [p for p in partners if p not in runs[engine]["scores"]]
+        missing = [p for p in partners if p in runs and p not in runs[engine]["scores"]]
         if missing:
-            runs[engine]["scores"].update(run_engine(script, workdir, model, engine, engine_env, score=missing,
-                                                     suffix="-score")["scores"])
-    report = {"group": args.group, "widths": args.widths, "pairs": [], "engines": {}}
+            run = run_engine(script, workdir, model, engine, engine_env, score=missing, suffix="-score")
+            if "failed" in run:
+                failures[f"{engine}-score"] = run
+            else:
+                runs[engine]["scores"].update(run["scores"])
+    report = {"group": args.group, "widths": args.widths, "pairs": [], "engines": {}, "failed_engines": failures}
     failed = []
     floor, stated = None, stated_floor(args)
     for decoder, scorer in pairs:
         for a, b in ((decoder, scorer), (scorer, decoder)):
+            if a not in runs or a not in runs.get(b, {}).get("scores", {}):
+                report["pairs"].append({"decoded_by": a, "scored_by": b, "skipped": "an engine failed"})
+                print(f"[e2e] decode {a:>22} / prefill {b:>22}: skipped, an engine failed", flush=True)
+                continue
             gen = runs[a]["generated"]
             stats = summarize([g["logprobs"] for g in gen], runs[b]["scores"][a])
             entry = {"decoded_by": a, "scored_by": b, **stats}
@@ -283,8 +306,8 @@ def driver(args, engine_names=tuple(ENGINES), pair_groups=PAIRS, script=__file__
         report["engines"][engine] = {k: run[k] for k in ("throughput", "prefix_cache_rerun", "fusion_matches")
                                      if k in run}
     write_report(report, args.out)
-    if failed:
-        raise SystemExit(f"agreement beyond twice the floor: {failed}")
+    if failed or failures:
+        raise SystemExit(f"agreement beyond twice the floor: {failed}; engines that failed: {sorted(failures)}")
 
 
 def tiny_model(args) -> tuple[Path, str]:
@@ -303,11 +326,16 @@ def throughput_only(args, engine_names, script, engine_env):
     if unknown:
         raise SystemExit(f"--throughput-only: unknown engines {unknown}; known: {list(engine_names)}")
     workdir, model = tiny_model(args)
-    report = {"throughput_only": True, "widths": args.widths, "engines": {}}
+    report = {"throughput_only": True, "widths": args.widths, "engines": {}, "failed_engines": {}}
     for engine in args.throughput_only:
         run = run_engine(script, workdir, model, engine, engine_env, throughput=True, suffix="-throughput")
-        report["engines"][engine] = {k: run[k] for k in ("throughput", "fusion_matches") if k in run}
+        if "failed" in run:
+            report["failed_engines"][engine] = run
+        else:
+            report["engines"][engine] = {k: run[k] for k in ("throughput", "fusion_matches") if k in run}
     write_report(report, args.out)
+    if report["failed_engines"]:
+        raise SystemExit(f"engines that failed: {sorted(report['failed_engines'])}")
 
 
 def write_report(report: dict, out: str):
