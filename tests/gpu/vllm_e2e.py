@@ -22,7 +22,8 @@ one engine per process:
     python tests/gpu/vllm_e2e.py --group bf16 --workdir /tmp/e2e --out results.json
     python tests/gpu/vllm_e2e.py --throughput-only FLASHMLA-fp8 latentspeed-fp8 --out throughput.json
 
-Exits non-zero when an agreement bound is exceeded.
+Exits non-zero when an agreement bound is exceeded or an engine fails. A failed engine's pairs are skipped, the
+others still compared; its output's last lines go into the report (each engine's output: WORKDIR/ENGINE.log).
 """
 
 import argparse
