@@ -30,6 +30,9 @@ _LOG2E = 1.4426950408889634
 # results/mla_prefill-configs-h100-2026-12-06-s42.md); the smaller ones are for GPUs with less shared memory.
 _PREFILL_CONFIGS = ((128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2))
 _INTERPRETER_CONFIG = (16, 16, 4, 1)
+# (causal, return_lse) of the engines' launches: new tokens alone, new tokens after a cached prefix (merged with it by
+# the lse), a chunk of cached context
+LAUNCH_VARIANTS = ((True, False), (True, True), (False, True))
 _SHARED_MEMORY_SLACK = 1024  # bytes Triton adds to the tiles (barriers)
 
 
@@ -295,6 +298,6 @@ def warm_up_varlen_attention(device: torch.device, dtype: torch.dtype, d_qk: int
     q = torch.zeros(16, 1, d_qk, dtype=dtype, device=device)
     kv = torch.zeros(16, 1, d_qk + d_v, dtype=dtype, device=device)
     cu = torch.tensor([0, 16], dtype=torch.int32, device=device)
-    for causal, return_lse in ((True, False), (True, True), (False, True)):
+    for causal, return_lse in LAUNCH_VARIANTS:
         varlen_attention(q, kv[..., :d_qk], kv[..., d_qk:], cu, cu, 16, 1.0, causal=causal, return_lse=return_lse)
     torch.cuda.synchronize(device)

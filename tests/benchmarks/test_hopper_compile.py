@@ -152,12 +152,12 @@ def test_unknown_arguments_are_named():
 def test_each_prefill_config_fits_the_shared_memory_it_is_chosen_by():
     """``prefill_config`` picks the block config by ``shared_memory_needed``: compiled, no config may take more, and
     none may spill."""
-    from common_kernels.mla.prefill import _PREFILL_CONFIGS, shared_memory_needed
+    from common_kernels.mla.prefill import _PREFILL_CONFIGS, LAUNCH_VARIANTS, shared_memory_needed
 
     reports = hopper_compile("prefill")
-    assert len(reports) == 2 * len(_PREFILL_CONFIGS)
+    assert len(reports) == len(LAUNCH_VARIANTS) * len(_PREFILL_CONFIGS)
     for config in _PREFILL_CONFIGS:
-        for kind in ("causal", "chunk"):
+        for kind in ("causal", "causal, lse", "chunk"):
             report = reports[f"prefill {config}, {kind}"]
             assert report["shared_bytes"] <= shared_memory_needed(config, 192, 128, 2), (config, kind)
             assert report["spill_bytes"] == 0 and report["async_copies"] > 0, (config, kind)
