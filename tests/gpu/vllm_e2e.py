@@ -109,6 +109,10 @@ def llm_kwargs(model: str, engine: str, max_model_len: int) -> dict:
         block_size=64,
         max_model_len=max_model_len,
         max_num_batched_tokens=8192,
+        # At most 64 sequences run at once here. vLLM's default (1024 on cards of 70 GB and more) sizes TRITON_MLA's
+        # worst-case decode workspace at 17.2 GB (1024 x 128 heads x 64 splits x 513 fp32), the suspect of its
+        # failure on an H100 in the forty-third session; 128 makes it 2.1 GB.
+        max_num_seqs=128,
         gpu_memory_utilization=0.8,
         seed=0,
         attention_config={"backend": backend, **({"mla_prefill_backend": prefill} if prefill else {})},
