@@ -176,16 +176,15 @@ def gemm_report(block_m: int, block_n: int, num_warps: int, num_stages: int, max
 
 
 def prefill_report(block_m: int, block_n: int, num_warps: int, num_stages: int, causal: bool = True,
-                   store_lse: bool | None = None) -> HopperReport:
-    """The prefill kernel at DeepSeek-V3's head sizes (192/128, bf16) in one block config; ``store_lse`` defaults to
-    ``not causal`` (new tokens alone, or a chunk of context)."""
+                   store_lse: bool = False) -> HopperReport:
+    """The prefill kernel at DeepSeek-V3's head sizes (192/128, bf16) in one block config and launch variant."""
     from common_kernels.mla import prefill
 
     bf16, f32, i32 = torch.bfloat16, torch.float32, torch.int32
     return compile_for_hopper(
         prefill._varlen_attention_kernel,
         dict(q_ptr=bf16, k_ptr=bf16, v_ptr=bf16, out_ptr=bf16, lse_ptr=f32, cu_q_ptr=i32, cu_k_ptr=i32),
-        dict(D_A=128, D_B=64, D_V=128, CAUSAL=causal, STORE_LSE=not causal if store_lse is None else store_lse, BLOCK_M=block_m, BLOCK_N=block_n),
+        dict(D_A=128, D_B=64, D_V=128, CAUSAL=causal, STORE_LSE=store_lse, BLOCK_M=block_m, BLOCK_N=block_n),
         num_warps, num_stages, floats=("qk_scale_log2",), unaligned=("stride_lse_t",))
 
 
