@@ -143,34 +143,27 @@ def flash_attn_mla(q, cache, block_table, seq_lens, q_len, kv_scale, metadata_pe
     return run
 
 
-def flashinfer_mla(q, cache, block_table, seq_lens, q_len, kv_scale, cuda_graph=False):
+def flashinfer_mla(q, cache, block_table, seq_lens, q_len, kv_scale):
     """FlashInfer's MLA decode (``BatchMLAPagedAttentionWrapper``, its FA3 kernel on sm_90): the kernel
     of SGLang's ``flashinfer`` MLA backend. Planned once on the host before the timed calls (SGLang
     plans before each step); SGLang serves it with pages of one token, the table with 64 as for every
-    provider. bf16 and E4M3 caches (per-tensor scales); no E5M2.
-
-    By default timed as eager calls even under ``--cuda-graph`` (``eager_only``): a wrapper built for eager
-    calls failed in replays (an illegal address, or "operation not supported on global/shared address
-    space") unless its graph was the first captured in the process. ``cuda_graph`` (provider
-    ``FLASHINFER_MLA-graph``) builds it as SGLang does for graphs: ``use_cuda_graph=True`` with index
-    buffers of its own that ``plan`` copies into, and lets ``--cuda-graph`` replay it."""
+    provider. bf16 and E4M3 caches (per-tensor scales); no E5M2. Timed as eager calls even under
+    ``--cuda-graph`` (``eager_only``): its replays failed (an illegal address, or "operation not supported on
+    global/shared address space") unless its graph was the first captured in the process. Built as SGLang builds
+    it for graphs (``use_cuda_graph=True``, index buffers of its own) it failed the same way at the second shape,
+    after replays 1.8 % faster than these eager calls at the first (results/sglang-e2e-h100-2026-12-06-s45.md)."""
     if cache.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
         return None
     from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
     batch, pages = block_table.shape
     heads = q.shape[1]
-    qo_indptr = torch.arange(0, q.shape[0] + 1, q_len, dtype=torch.int32, device="cuda")
-    kv_indptr = torch.arange(0, (batch + 1) * pages, pages, dtype=torch.int32, device="cuda")
-    kv_indices = block_table.reshape(-1).to(torch.int32)
-    buffers = {}
-    if cuda_graph:
-        buffers = dict(qo_indptr=torch.empty_like(qo_indptr), kv_indptr=torch.empty_like(kv_indptr),
-                       kv_indices=torch.empty_like(kv_indices), kv_len_arr=torch.empty_like(seq_lens))
-    wrapper = BatchMLAPagedAttentionWrapper(torch.empty(512 << 20, dtype=torch.uint8, device="cuda"),
-                                            use_cuda_graph=cuda_graph, backend="fa3", **buffers)
-    wrapper.plan(qo_indptr, kv_indptr, kv_indices, seq_lens, heads, D_LATENT, D_ROPE, PAGE, True, SCALE, q.dtype,
-                 cache.dtype)
+    wrapper = BatchMLAPagedAttentionWrapper(torch.empty(512 << 20, dtype=torch.uint8, device="cuda"), backend="fa3")
+    wrapper.plan(
+        torch.arange(0, q.shape[0] + 1, q_len, dtype=torch.int32, device="cuda"),
+        torch.arange(0, (batch + 1) * pages, pages, dtype=torch.int32, device="cuda"),
+        block_table.reshape(-1), seq_lens, heads, D_LATENT, D_ROPE, PAGE, True, SCALE, q.dtype, cache.dtype,
+    )
     q_nope, q_pe = q[..., :D_LATENT].contiguous(), q[..., D_LATENT:].contiguous()
     ckv, kpe = cache[..., :D_LATENT], cache[..., D_LATENT:]
     scales = {} if cache.dtype == torch.bfloat16 else dict(ckv_scale=kv_scale.item(), kpe_scale=kv_scale.item())
@@ -179,7 +172,7 @@ def flashinfer_mla(q, cache, block_table, seq_lens, q_len, kv_scale, cuda_graph=
     def run():
         return wrapper.run(q_nope, q_pe, ckv, kpe, out=out, **scales)
 
-    run.eager_only = not cuda_graph
+    run.eager_only = True
     return run
 
 
@@ -212,8 +205,7 @@ def triton_mla(q, cache, block_table, seq_lens, q_len, kv_scale):
 
 
 PROVIDERS = {"latentspeed": ours, "latentspeed-triton": ours_triton, "FLASHMLA": flashmla,
-             "FLASH_ATTN_MLA": flash_attn_mla, "FLASHINFER_MLA": flashinfer_mla,
-             "FLASHINFER_MLA-graph": functools.partial(flashinfer_mla, cuda_graph=True), "TRITON_MLA": triton_mla}
+             "FLASH_ATTN_MLA": flash_attn_mla, "FLASHINFER_MLA": flashinfer_mla, "TRITON_MLA": triton_mla}
 
 
 def copy_bandwidth_tb_s(nbytes=2 << 30):
