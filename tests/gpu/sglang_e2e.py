@@ -36,7 +36,8 @@ ENGINES = {
     "latentspeed-decode-bf16": ("latentspeed", "auto", 64, None),
     "latentspeed-decode-fp8_e4m3": ("latentspeed", "fp8_e4m3", 64, None),
 }
-# --prefill-attention-backend: extends (MHA prefill, absorbed over short prefixes) go to SGLang's own backend.
+# --prefill-attention-backend: extends (MHA prefill, absorbed over short prefixes) go to SGLang's own backend. The
+# GPU host's sgl-kernel 0.4.5 (CUDA 13 wheel) has no FA3 (`flash_ops`): there these two fail at start (2026-12-06).
 PREFILL_BACKENDS = {"latentspeed-decode-bf16": "fa3", "latentspeed-decode-fp8_e4m3": "fa3"}
 PAIRS = {
     "bf16": [
