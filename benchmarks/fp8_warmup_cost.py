@@ -5,8 +5,8 @@ Linears (default): ``warm_up_linear`` per DeepSeek-V3 (N, K) shape at ``--max-to
 then ``sweep_s``, a run of every batch size with every kernel compiled, which a warm-up of every size would add.
 
 MoE (``--moe E,H,I,k``): ``warm_up_moe`` for that shape twice in the process (its record of warmed
-signatures cleared between), each with its count of Triton compiles, so that the second run is the
-launches alone; then each of its sizes timed alone, host (until ``fused_moe_fp8`` returns) and GPU (until
+signatures cleared between), each with the kernels that went through Triton's compile hook (which also sees
+those loaded from its disk cache), so that the second run is the launches alone; then each of its sizes timed alone, host (until ``fused_moe_fp8`` returns) and GPU (until
 a synchronize), slowest first. Run it twice in separate processes to see what Triton's disk cache saves.
 
 A process sees each shape first here; Triton's on-disk cache may still hold kernels of earlier runs.

@@ -203,7 +203,11 @@ for step in "$@"; do
     sglang-e2e-bf16|sglang-e2e-fp8|sglang-e2e-w8|sglang-e2e-w8-fused)  # w8-fused: sglang_plugin/fusion.py on
       group=${step#sglang-e2e-}
       python3 tests/gpu/sglang_e2e.py --group "$group" --throughput --reuse --workdir /tmp/e2e-sglang \
-        --out "$out/$step.json" 2>&1 | tee "$out/$step.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
+        --out "$out/$step.json" 2>&1 | tee "$out/$step.log" | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60
+      if [ "$group" = w8 ]; then  # SGLang's own fp8, which the group no longer pairs (sglang_e2e.py's PAIRS)
+        python3 tests/gpu/sglang_e2e.py --throughput-only flashinfer-w8 --workdir /tmp/e2e-sglang \
+          --out "$out/$step-sglang-fp8.json" 2>&1 | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 20
+      fi ;;
     sglang-ct-e2e)  # FP8-block checkpoints: latentspeed_fp8 against SGLang's methods, side by side; then the guard
       ct=tests/gpu/sglang_ct_e2e.py; engines="sglang-ct sglang-fp8 ours sglang-ct-fp8kv ours-fp8kv"
       python3 $ct write && { for e in $engines; do OUT=$out python3 $ct engine $e > "$out/sgl-ct-$e.log" 2>&1 & done; wait; } \
