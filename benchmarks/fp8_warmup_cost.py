@@ -5,9 +5,10 @@ Linears (default): ``warm_up_linear`` per DeepSeek-V3 (N, K) shape at ``--max-to
 then ``sweep_s``, a run of every batch size with every kernel compiled, which a warm-up of every size would add.
 
 MoE (``--moe E,H,I,k``): ``warm_up_moe`` for that shape twice in the process (its record of warmed
-signatures cleared between), each with the kernels that went through Triton's compile hook (which also sees
-those loaded from its disk cache), so that the second run is the launches alone; then each of its sizes timed alone, host (until ``fused_moe_fp8`` returns) and GPU (until
-a synchronize), slowest first. Run it twice in separate processes to see what Triton's disk cache saves.
+signatures cleared between), each with the Triton kernels it built and those it loaded from Triton's disk cache
+(``counting_compiles``), so that the second run is the launches alone; then each of its sizes timed alone, host
+(until ``fused_moe_fp8`` returns) and GPU (until a synchronize), slowest first. Run it twice in separate processes
+to see what Triton's disk cache saves.
 
 A process sees each shape first here; Triton's on-disk cache may still hold kernels of earlier runs.
 
@@ -20,11 +21,10 @@ import json
 import time
 
 import torch
-from triton import knobs
 
 from benchmarks.fp8_gemm import SHAPES
 from common_kernels.fp8 import block_fp8_linear, fused_moe_fp8, moe, warmup
-from common_kernels.fp8.warmup import representative_sizes, warm_up_linear, warm_up_moe
+from common_kernels.fp8.warmup import counting_compiles, representative_sizes, warm_up_linear, warm_up_moe
 from common_kernels.guard import fp8_guard
 
 
@@ -84,24 +84,15 @@ def moe_launch_times(weights: tuple, top_k: int, max_tokens: int) -> list[dict]:
 def moe_report(shape: list[int], max_tokens: int) -> dict:
     experts, hidden, inter, top_k = shape
     weights = moe_weights(experts, hidden, inter, "cuda")
-    compiled, previous = [], knobs.runtime.jit_post_compile_hook
-
-    def hook(**kwargs):
-        compiled.append(getattr(kwargs.get("fn"), "name", "?"))
-        return previous(**kwargs) if previous else None
-
-    knobs.runtime.jit_post_compile_hook, runs = hook, []
-    try:
-        for _ in range(2):
-            warmup._warmed.clear()  # noqa: SLF001 - the second run is to find every kernel compiled already
-            compiled.clear()
-            start = time.perf_counter()
+    runs = []
+    for _ in range(2):
+        warmup._warmed.clear()  # noqa: SLF001 - the second run is to find every kernel compiled already
+        start = time.perf_counter()
+        with counting_compiles() as compiles:
             assert warm_up_moe(*weights[:2], *weights[2:], top_k, max_tokens, torch.bfloat16), "warm-up is off"
-            runs.append(dict(warmup_s=time.perf_counter() - start, compiles=len(compiled),
-                             kernels=sorted(set(compiled))))
-            print(json.dumps(runs[-1]), flush=True)
-    finally:
-        knobs.runtime.jit_post_compile_hook = previous
+        runs.append(dict(warmup_s=time.perf_counter() - start, built=compiles["built"], loaded=compiles["loaded"],
+                         cache_dirs=sorted(compiles["cache_dirs"])))
+        print(json.dumps(runs[-1]), flush=True)
     launches = moe_launch_times(weights, top_k, max_tokens)
     return dict(shape=dict(experts=experts, hidden=hidden, inter=inter, top_k=top_k), max_tokens=max_tokens,
                 warm_ups=runs, launches=len(launches), launch_total_s=sum(r["total_s"] for r in launches),

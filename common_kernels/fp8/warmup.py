@@ -17,11 +17,13 @@ rows are not 16-byte aligned, ``topk_ids`` that are not int32 (both engines' rou
 batches beyond that bound.
 """
 
+import contextlib
 import logging
 import os
 import time
 
 import torch
+from triton import knobs
 
 from ..guard import fp8_guard
 from . import gemm, moe
@@ -54,10 +56,32 @@ def _first_time(signature: tuple, device: torch.device) -> bool:
     return True
 
 
-def _done(device: torch.device, what: str, max_tokens: int, start: float) -> None:
+@contextlib.contextmanager
+def counting_compiles():
+    """Count Triton's ``compile`` calls inside the block (kernels missing from the process's memory): how many
+    were built and how many were loaded from Triton's disk cache, and in which cache folders. Yields a dict
+    ``{"built": int, "loaded": int, "cache_dirs": set}``. Chains to a compilation listener set before."""
+    counts, previous = {"built": 0, "loaded": 0, "cache_dirs": set()}, knobs.compilation.listener
+
+    def listener(**kwargs):
+        counts["loaded" if kwargs["cache_hit"] else "built"] += 1
+        counts["cache_dirs"].add(knobs.cache.dir)
+        if previous is not None:
+            previous(**kwargs)
+
+    knobs.compilation.listener = listener
+    try:
+        yield counts
+    finally:
+        knobs.compilation.listener = previous
+
+
+def _done(device: torch.device, what: str, max_tokens: int, start: float, compiles: dict) -> None:
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()  # the zeros and outputs: not to be counted as the model's memory by the engine
-    logger.info("latentspeed: %s warmed up for 1-%d tokens in %.1f s", what, max_tokens, time.perf_counter() - start)
+    logger.info("latentspeed: %s warmed up for 1-%d tokens in %.1f s (Triton kernels built: %d, loaded from its cache: "
+                "%d, cache folders: %s)", what, max_tokens, time.perf_counter() - start, compiles["built"],
+                compiles["loaded"], ", ".join(sorted(compiles["cache_dirs"])) or "none used")
 
 
 def representative_sizes(max_tokens: int, launch_key) -> list[int]:
@@ -84,10 +108,11 @@ def warm_up_linear(weight: torch.Tensor, weight_scale: torch.Tensor, max_tokens:
         return False
     start, (n, k) = time.perf_counter(), weight.shape
     x = torch.zeros(max_tokens, k, dtype=dtype, device=weight.device)
-    for m in representative_sizes(max_tokens, lambda m: gemm.launch_key(m, n, k, weight.device)):
-        block_fp8_linear(x[:m], weight, weight_scale)
+    with counting_compiles() as compiles:
+        for m in representative_sizes(max_tokens, lambda m: gemm.launch_key(m, n, k, weight.device)):
+            block_fp8_linear(x[:m], weight, weight_scale)
     del x
-    _done(weight.device, f"block-FP8 linear {list(weight.shape)}", max_tokens, start)
+    _done(weight.device, f"block-FP8 linear {list(weight.shape)}", max_tokens, start, compiles)
     return True
 
 
@@ -107,14 +132,15 @@ def warm_up_producers(cols: int, max_tokens: int, dtype: torch.dtype, device: to
     rows = torch.zeros(max_tokens, cols, dtype=dtype, device=device)
     weight = torch.ones(cols, dtype=dtype, device=device)
     x = torch.zeros(max_tokens, 2 * cols, dtype=dtype, device=device) if silu_mul else None
-    for m in representative_sizes(max_tokens, lambda m: m % 16 == 0):
-        if norm:
-            rms_norm_group_quant(rows[:m], weight, 1e-6, group_size=SCALE_BLOCK, stats=stats)
-            rms_norm_group_quant(rows[:m], weight, 1e-6, rows[:m], SCALE_BLOCK, stats=stats)
-        if silu_mul:
-            silu_mul_group_quant(x[:m], SCALE_BLOCK, stats=stats)
+    with counting_compiles() as compiles:
+        for m in representative_sizes(max_tokens, lambda m: m % 16 == 0):
+            if norm:
+                rms_norm_group_quant(rows[:m], weight, 1e-6, group_size=SCALE_BLOCK, stats=stats)
+                rms_norm_group_quant(rows[:m], weight, 1e-6, rows[:m], SCALE_BLOCK, stats=stats)
+            if silu_mul:
+                silu_mul_group_quant(x[:m], SCALE_BLOCK, stats=stats)
     del x, rows
-    _done(device, f"fused producers of {cols} columns", max_tokens, start)
+    _done(device, f"fused producers of {cols} columns", max_tokens, start, compiles)
     return True
 
 
@@ -136,9 +162,10 @@ def warm_up_moe(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2
     x = torch.zeros(max_tokens, hidden, dtype=dtype, device=w13.device)
     ids = (torch.arange(max_tokens * top_k, device=w13.device) % global_experts).to(torch.int32).view(max_tokens, top_k)
     weights = torch.full((max_tokens, top_k), 1.0 / top_k, dtype=torch.float32, device=w13.device)
-    for m in representative_sizes(max_tokens, lambda m: moe.launch_key(m, top_k, w13, w2)):
-        fused_moe_fp8(x[:m], w13, w13_scale, w2, w2_scale, weights[:m], ids[:m], stats=stats, expert_map=expert_map,
-                      check_ids=False)
+    with counting_compiles() as compiles:
+        for m in representative_sizes(max_tokens, lambda m: moe.launch_key(m, top_k, w13, w2)):
+            fused_moe_fp8(x[:m], w13, w13_scale, w2, w2_scale, weights[:m], ids[:m], stats=stats,
+                          expert_map=expert_map, check_ids=False)
     del x, ids, weights
-    _done(w13.device, f"block-FP8 MoE {list(w13.shape)} top-{top_k}", max_tokens, start)
+    _done(w13.device, f"block-FP8 MoE {list(w13.shape)} top-{top_k}", max_tokens, start, compiles)
     return True
