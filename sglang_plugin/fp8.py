@@ -29,6 +29,7 @@ from common_kernels.fp8 import (
     check_checkpoint_scheme,
     claims_checkpoint,
     fused_moe_fp8,
+    quantize_expert_weights,
     quantize_linear_weight,
     refuse_mismatched_dtypes,
 )
@@ -198,12 +199,9 @@ class LatentspeedFp8MoEMethod(Fp8MoEMethod):
         name = _name(layer)
         if not self.block_quant:  # a bf16 checkpoint
             for w in ("w13", "w2"):
-                pairs = [quantize_linear_weight(f"{name} {w}[{e}]", expert) for e, expert in
-                         enumerate(getattr(layer, f"{w}_weight").data)]
-                setattr(layer, f"{w}_weight", torch.nn.Parameter(torch.stack([q for q, _ in pairs]),
-                                                                 requires_grad=False))
-                setattr(layer, f"{w}_weight_scale_inv", torch.nn.Parameter(torch.stack([s for _, s in pairs]),
-                                                                           requires_grad=False))
+                weight, scale = quantize_expert_weights(f"{name} {w}", getattr(layer, f"{w}_weight").data)
+                setattr(layer, f"{w}_weight", torch.nn.Parameter(weight, requires_grad=False))
+                setattr(layer, f"{w}_weight_scale_inv", torch.nn.Parameter(scale, requires_grad=False))
             self.block_quant, self.weight_block_size = True, BLOCK
         else:
             _check_expert_scales(layer, "weight_scale_inv")

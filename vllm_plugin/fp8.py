@@ -60,6 +60,7 @@ from common_kernels.fp8 import (
     claims_checkpoint,
     fused_moe_fp8,
     is_supported,
+    quantize_expert_weights,
     quantize_linear_weight,
     refuse_mismatched_dtypes,
 )
@@ -240,7 +241,22 @@ class LatentspeedFp8MoEMethod(_LatentspeedMoE, Fp8MoEMethod):
 
 
 class LatentspeedOnlineFp8MoEMethod(_LatentspeedMoE, Fp8PerBlockOnlineMoEMethod):
-    """bf16/fp16 experts quantized to 128 x 128 blocks by vLLM once loaded."""
+    """bf16/fp16 experts quantized to 128 x 128 blocks once vLLM's online loading has them all, by latentspeed's
+    quantizer, as the linear layers are: non-finite weights are refused. vLLM's own quantizer is a
+    ``torch.compile``d function. It ran just before the MoE's warm-up, which found ``TRITON_CACHE_DIR`` set to
+    Inductor's folder and, unlike the linears', took nearly as long at the next start
+    (``benchmarks/results/vllm-moe-warmup-h100-2026-12-06-s46.md``)."""
+
+    def process_weights_after_loading(self, layer) -> None:
+        if getattr(layer, "_already_called_process_weights_after_loading", False):  # vLLM's reload guard
+            return
+        self._zero_padding(layer)
+        name = _name(layer)
+        (w13, w13_scale), (w2, w2_scale) = (quantize_expert_weights(f"{name} {w}", getattr(layer, f"{w}_weight"))
+                                            for w in ("w13", "w2"))
+        layer.weight_block_size = self.weight_block_size
+        self._setup_kernel(layer, w13, w2, w13_scale, w2_scale, layer.w13_input_scale, layer.w2_input_scale)
+        layer._already_called_process_weights_after_loading = True
 
 
 class LatentspeedCTFp8MoEMethod(_LatentspeedMoE, ct_moe_fp8.CompressedTensorsW8A8Fp8MoEMethod):

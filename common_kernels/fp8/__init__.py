@@ -4,7 +4,13 @@ quantization, and the block-FP8 fused MoE, each beside its PyTorch reference, an
 linear forward the engine adapters share."""
 
 from .gemm import SCALE_BLOCK, block_scaled_gemm
-from .linear import block_fp8_linear, check_block_scales, quantize_linear_weight, refuse_mismatched_dtypes
+from .linear import (
+    block_fp8_linear,
+    check_block_scales,
+    quantize_expert_weights,
+    quantize_linear_weight,
+    refuse_mismatched_dtypes,
+)
 from .moe import append_shared_experts, fused_moe_fp8
 from .norm_quant import rms_norm_group_quant
 from .quant import quantize_per_token, quantize_per_token_group, quantize_weight_blocks
@@ -33,6 +39,7 @@ __all__ = [
     "fused_moe_fp8",
     "fusion_switch",
     "is_supported",
+    "quantize_expert_weights",
     "quantize_linear_weight",
     "quantize_per_token",
     "quantize_per_token_group",

@@ -1,7 +1,7 @@
 """A block-FP8 linear layer as both engines' adapters use it: the forward (activations quantized per
 token and 128 columns by ``quantize_per_token_group``, counted by the device's fp8 guard, then the
 block-scaled GEMM), the checks of what a checkpoint holds for a layer (tensor dtypes as it is
-loaded, block scales once loaded), and load-time quantization of a bf16 weight."""
+loaded, block scales once loaded), and load-time quantization of bf16 weights (a layer's, or a stack of experts')."""
 
 import functools
 from collections.abc import Callable
@@ -78,3 +78,21 @@ def quantize_linear_weight(name: str, weight: torch.Tensor) -> tuple[torch.Tenso
     if nonfinite:
         raise ValueError(f"{name}: the checkpoint holds {nonfinite} non-finite weights")
     return q, scale
+
+
+def quantize_expert_weights(name: str, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16/fp16 expert weights ``[E, N, K]`` quantized to 128 x 128 blocks at load time, one expert at a time
+    (``quantize_weight_blocks``): ``(q [E, N, K] E4M3, scales [E, cdiv(N, 128), cdiv(K, 128)] fp32)``. Raises
+    ``ValueError`` naming ``name`` and the experts if the checkpoint holds non-finite weights."""
+    experts, n, k = weights.shape
+    stats = torch.zeros(experts, 2, dtype=torch.int32, device=weights.device)
+    q = torch.empty(weights.shape, dtype=torch.float8_e4m3fn, device=weights.device)
+    scales = torch.empty(experts, -(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK), dtype=torch.float32,
+                         device=weights.device)
+    for e in range(experts):
+        q[e], scales[e] = quantize_weight_blocks(weights[e].contiguous(), block=SCALE_BLOCK, stats=stats[e])
+    nonfinite = stats[:, 1].tolist()
+    if any(nonfinite):
+        raise ValueError(f"{name}: the checkpoint holds {sum(nonfinite)} non-finite weights, in experts "
+                         f"{[e for e, count in enumerate(nonfinite) if count]}")
+    return q, scales

@@ -7,7 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common_kernels.fp8 import block_scaled_gemm, quantize_per_token, quantize_per_token_group, quantize_weight_blocks
+from common_kernels.fp8 import (
+    block_scaled_gemm,
+    quantize_expert_weights,
+    quantize_per_token,
+    quantize_per_token_group,
+    quantize_weight_blocks,
+)
 from common_kernels.fp8 import gemm_sm90, gemm_sm90_ws, moe
 from common_kernels.fp8.gemm import tuned_table
 from common_kernels.fp8.reference import (
@@ -132,6 +138,25 @@ def test_weight_block_quant_counts_nonfinite_weights():
     _, scales = quantize_weight_blocks(w, stats=stats)
     assert stats.tolist() == [0, 2] and torch.isinf(scales[0, 1]) and torch.isnan(scales[1, 0])
     assert torch.isfinite(scales[0, 0]) and torch.isfinite(scales[1, 1])
+
+
+def test_expert_weights_are_quantized_expert_by_expert_as_the_reference():
+    """A ragged stack of three experts: each expert's codes and scales are the reference's for that expert alone."""
+    w = (torch.randn(3, 200, 300, device=device()) * torch.logspace(-2, 2, 300, device=device())).bfloat16()
+    q, scales = quantize_expert_weights("layer.experts w13", w)
+    assert q.shape == w.shape and q.dtype == torch.float8_e4m3fn and scales.shape == (3, 2, 3)
+    for e in range(3):
+        q_ref, scales_ref = quantize_weight_blocks_ref(w[e])
+        assert_close(scales[e], scales_ref, atol=0, rtol=0, name=f"expert {e} block scales")
+        assert torch.equal(q[e].view(torch.uint8), q_ref.view(torch.uint8)), f"expert {e}: fp8 codes differ"
+
+
+def test_expert_weights_with_nonfinite_values_are_refused_naming_the_experts():
+    w = torch.randn(4, 128, 256, device=device()).bfloat16()
+    w[1, 5, 7], w[3, 0, 0], w[3, 9, 200] = float("nan"), float("inf"), float("-inf")
+    with pytest.raises(ValueError, match=r"layer.experts w2: the checkpoint holds 3 non-finite weights, in experts "
+                                         r"\[1, 3\]"):
+        quantize_expert_weights("layer.experts w2", w)
 
 
 @pytest.mark.parametrize("m", [1, 7, 33])

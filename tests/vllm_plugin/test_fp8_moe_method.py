@@ -132,6 +132,16 @@ def test_bf16_experts_are_quantized_at_load_and_run_on_latentspeeds_fused_moe(tp
     assert_close(dequantized, weights[0]["w2"].float(), atol=2e-3, rtol=7e-2, name="quantized w2")
 
 
+def test_bf16_experts_with_nonfinite_weights_are_refused(tp_group):
+    runner = moe_layer(LatentspeedFp8Config())
+    shapes = {"w1": (INTER, HIDDEN), "w3": (INTER, HIDDEN), "w2": (HIDDEN, INTER)}
+    weights = [{k: torch.randn(*s).to(torch.bfloat16) for k, s in shapes.items()} for _ in range(EXPERTS)]
+    weights[2]["w3"][0, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"latentspeed_fp8: model.layers.1.mlp.experts w13: the checkpoint holds 1 "
+                                         r"non-finite weights, in experts \[2\]"):
+        load_experts(runner, weights)
+
+
 def test_unsupported_moe_layers_are_named(tp_group):
     runner = moe_layer(LatentspeedFp8Config(), activation="gelu")
     shapes = {"w1": (INTER, HIDDEN), "w3": (INTER, HIDDEN), "w2": (HIDDEN, INTER)}
