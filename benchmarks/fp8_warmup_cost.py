@@ -24,7 +24,13 @@ import torch
 
 from benchmarks.fp8_gemm import SHAPES
 from common_kernels.fp8 import block_fp8_linear, fused_moe_fp8, moe, warmup
-from common_kernels.fp8.warmup import counting_compiles, representative_sizes, warm_up_linear, warm_up_moe
+from common_kernels.fp8.warmup import (
+    counting_compiles,
+    moe_inputs,
+    representative_sizes,
+    warm_up_linear,
+    warm_up_moe,
+)
 from common_kernels.guard import fp8_guard
 
 
@@ -67,9 +73,7 @@ def moe_launch_times(weights: tuple, top_k: int, max_tokens: int) -> list[dict]:
     w13, w13_scale, w2, w2_scale = weights
     experts, _, hidden = w13.shape
     sync = torch.cuda.synchronize if w13.is_cuda else (lambda: None)
-    x = torch.zeros(max_tokens, hidden, dtype=torch.bfloat16, device=w13.device)
-    ids = (torch.arange(max_tokens * top_k, device=w13.device) % experts).to(torch.int32).view(max_tokens, top_k)
-    routing = torch.full((max_tokens, top_k), 1.0 / top_k, device=w13.device)
+    x, ids, routing = moe_inputs(max_tokens, hidden, top_k, experts, torch.bfloat16, w13.device)
     stats, rows = fp8_guard(w13.device).counters, []
     for m in representative_sizes(max_tokens, lambda m: moe.launch_key(m, top_k, w13, w2)):
         sync()

@@ -144,6 +144,14 @@ def warm_up_producers(cols: int, max_tokens: int, dtype: torch.dtype, device: to
     return True
 
 
+def moe_inputs(max_tokens: int, hidden: int, top_k: int, experts: int, dtype: torch.dtype, device: torch.device):
+    """What ``warm_up_moe`` runs its batches on: ``x [max_tokens, hidden]`` zeros of ``dtype``, int32 ``topk_ids``
+    cycling over the ``experts`` and fp32 routing weights of ``1 / top_k``; a batch of ``M`` is their first rows."""
+    x = torch.zeros(max_tokens, hidden, dtype=dtype, device=device)
+    ids = (torch.arange(max_tokens * top_k, device=device) % experts).to(torch.int32).view(max_tokens, top_k)
+    return x, ids, torch.full((max_tokens, top_k), 1.0 / top_k, dtype=torch.float32, device=device)
+
+
 def warm_up_moe(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, top_k: int,
                 max_tokens: int, dtype: torch.dtype, expert_map: torch.Tensor | None = None) -> bool:
     """Run ``fused_moe_fp8`` on ``[M, H]`` zeros of ``dtype`` for the ``representative_sizes`` of
@@ -159,9 +167,7 @@ def warm_up_moe(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2
         return False
     start, stats = time.perf_counter(), fp8_guard(w13.device).counters
     global_experts = experts if expert_map is None else expert_map.shape[0]
-    x = torch.zeros(max_tokens, hidden, dtype=dtype, device=w13.device)
-    ids = (torch.arange(max_tokens * top_k, device=w13.device) % global_experts).to(torch.int32).view(max_tokens, top_k)
-    weights = torch.full((max_tokens, top_k), 1.0 / top_k, dtype=torch.float32, device=w13.device)
+    x, ids, weights = moe_inputs(max_tokens, hidden, top_k, global_experts, dtype, w13.device)
     with counting_compiles() as compiles:
         for m in representative_sizes(max_tokens, lambda m: moe.launch_key(m, top_k, w13, w2)):
             fused_moe_fp8(x[:m], w13, w13_scale, w2, w2_scale, weights[:m], ids[:m], stats=stats,
