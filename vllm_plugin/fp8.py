@@ -245,7 +245,8 @@ class LatentspeedOnlineFp8MoEMethod(_LatentspeedMoE, Fp8PerBlockOnlineMoEMethod)
     quantizer, as the linear layers are: non-finite weights are refused. vLLM's own quantizer is a
     ``torch.compile``d function. It ran just before the MoE's warm-up, which found ``TRITON_CACHE_DIR`` set to
     Inductor's folder and, unlike the linears', took nearly as long at the next start
-    (``benchmarks/results/vllm-moe-warmup-h100-2026-12-06-s46.md``)."""
+    (``benchmarks/results/vllm-moe-warmup-h100-2026-12-06-s46.md``); with ours it loads every kernel from Triton's
+    disk cache there (``vllm-moe-warmup-h100-2026-12-06-s47.md``)."""
 
     def process_weights_after_loading(self, layer) -> None:
         if getattr(layer, "_already_called_process_weights_after_loading", False):  # vLLM's reload guard
