@@ -10,6 +10,7 @@ gaps, by the host. Each engine runs in its own process; one JSON object per engi
 import argparse
 import gzip
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,15 @@ def summarize_trace(path: Path) -> dict:
             "top_kernels_us_per_step": {name: us / STEPS for name, us in top}}
 
 
+def self_cpu_us_per_step(table: str) -> float | None:
+    """The host's self time per step from vLLM's profiler table (its ``Self CPU time total`` line): with the
+    same host ops in two engines, a higher value means a slower host during that run, or more host work."""
+    match = re.search(r"Self CPU time total: ([\d.]+)(us|ms|s)\b", table)
+    if match is None:
+        return None
+    return float(match.group(1)) * {"us": 1, "ms": 1e3, "s": 1e6}[match.group(2)] / STEPS
+
+
 def profile_engine(workdir: str, engine: str) -> dict:
     """One engine, in this process: an unprofiled pass (warm-up and wall time), then a profiled one."""
     from vllm import LLM, SamplingParams, TokensPrompt
@@ -76,8 +86,10 @@ def profile_engine(workdir: str, engine: str) -> dict:
     summaries = [summarize_trace(p) for p in trace_dir.rglob("*.pt.trace.json*")]
     worker = max(summaries, key=lambda s: s["kernel_us_per_step"])  # the frontend's trace, if any, has no kernels
     table = next(trace_dir.rglob("profiler_out_0.txt"), None)
+    table = table.read_text() if table else None
+    worker["host_self_cpu_us_per_step"] = self_cpu_us_per_step(table) if table else None
     return {"engine": engine, "unprofiled_pass_s": wall_s, "profile": worker, "trace_dir": str(trace_dir),
-            "table": table.read_text() if table else None}
+            "table": table}
 
 
 def main():

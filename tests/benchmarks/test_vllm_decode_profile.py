@@ -29,3 +29,11 @@ def test_trace_summary_splits_kernel_time_from_idle_time(tmp_path, monkeypatch):
     assert summary["kernel_us_per_step"] == pytest.approx(80 / 2)
     assert summary["graph_launches_per_step"] == 1
     assert summary["top_kernels_us_per_step"] == {"attn": 30, "gemm": 10}
+
+
+def test_self_cpu_per_step_reads_the_profiler_tables_total(monkeypatch):
+    monkeypatch.setattr(vdp, "STEPS", 64)
+    table = "---\n  Name  Self CPU %  ...\n---\nSelf CPU time total: 268.127ms\nSelf CUDA time total: 47.413ms\n"
+    assert vdp.self_cpu_us_per_step(table) == pytest.approx(268127 / 64)
+    assert vdp.self_cpu_us_per_step(table.replace("268.127ms", "1.5s")) == pytest.approx(1.5e6 / 64)
+    assert vdp.self_cpu_us_per_step("no totals here") is None
