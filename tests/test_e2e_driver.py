@@ -28,9 +28,10 @@ WORKER = textwrap.dedent('''
     for other in task.get("score", []):
         decoded = json.loads((workdir / f"{other}.json").read_text())["generated"]
         result["scores"][other] = [[lp + shift for lp in seq["logprobs"]] for seq in decoded]
-    if task.get("throughput"):
-        result["throughput"] = [{"requests": 1, "prompt_len": 2, "output_len": 3, "output_tok_s": 4.0,
-                                 "prefill_s": 0.5, "total_s": 1.0}]
+    if task.get("throughput"):  # a second run of an engine (suffix -throughput-2) takes twice as long
+        scale = 2.0 if task.get("suffix", "").endswith("-2") else 1.0
+        passes = [{"total_s": t * scale, "prefill_s": 0.5, "output_tok_s": 4.0 / (t * scale)} for t in (3.0, 1.0, 2.0)]
+        result["throughput"] = [{"requests": 1, "prompt_len": 2, "output_len": 3, **passes[2], "passes": passes}]
     (workdir / f"{engine}{task.get('suffix', '')}.json").write_text(json.dumps(result))
 ''')
 
@@ -70,5 +71,19 @@ def test_a_failed_engine_is_reported_and_the_others_still_judged(tmp_path):
 def test_throughput_only_times_the_engines_that_run(tmp_path):
     report, message = run_driver(tmp_path, throughput_only=["OURS", "BROKEN"])
     assert message == "engines that failed: ['BROKEN']"
-    assert report["engines"]["OURS"]["throughput"][0]["output_tok_s"] == 4.0
+    assert report["engines"]["OURS"]["throughput"][0]["output_tok_s"] == 2.0
+    assert report["engines"]["OURS"]["runs"] == 1
     assert "BROKEN" not in report["engines"] and report["failed_engines"]["BROKEN"]["failed"] == 3
+
+
+def test_an_engine_named_twice_runs_twice_and_its_passes_are_pooled(tmp_path):
+    report, message = run_driver(tmp_path, throughput_only=["OURS", "REF", "OURS", "BROKEN"])
+    assert message == "engines that failed: ['BROKEN']"
+    ours = report["engines"]["OURS"]
+    assert ours["runs"] == 2 and report["engines"]["REF"]["runs"] == 1
+    case = ours["throughput"][0]
+    assert sorted(p["total_s"] for p in case["passes"]) == [1.0, 2.0, 2.0, 3.0, 4.0, 6.0]
+    assert [p["run"] for p in case["passes"]] == [0, 0, 0, 1, 1, 1]
+    assert case["total_s"] == 3.0 and case["output_tok_s"] == pytest.approx(4.0 / 3.0) and "run" not in case
+    assert (case["requests"], case["prompt_len"], case["output_len"]) == (1, 2, 3)
+    assert (tmp_path / "OURS-throughput.log").exists() and (tmp_path / "OURS-throughput-2.log").exists()

@@ -21,6 +21,8 @@ one engine per process:
 
     python tests/gpu/vllm_e2e.py --group bf16 --workdir /tmp/e2e --out results.json
     python tests/gpu/vllm_e2e.py --throughput-only FLASHMLA-fp8 latentspeed-fp8 --out throughput.json
+    python tests/gpu/vllm_e2e.py --throughput-only FLASHMLA-w8 FLASHMLA-w8-latentspeed \
+        FLASHMLA-w8-latentspeed FLASHMLA-w8 --out throughput.json    # each twice, passes pooled per engine
 
 Exits non-zero when an agreement bound is exceeded or an engine fails. A failed engine's pairs are skipped, the
 others still compared; its output's last lines go into the report (each engine's output: WORKDIR/ENGINE.log).
@@ -168,8 +170,24 @@ def timed_passes(run_pass, num_requests, prompt_len, out_len) -> dict:
         prefill_s, total_s = run_pass(i)
         passes.append({"total_s": total_s, "prefill_s": prefill_s, "output_tok_s": num_requests * out_len / total_s,
                        "decode_tok_s_est": num_requests * (out_len - 1) / max(total_s - prefill_s, 1e-9)})
+    return median_case({"requests": num_requests, "prompt_len": prompt_len, "output_len": out_len}, passes)
+
+
+def median_case(case: dict, passes: list[dict]) -> dict:
+    """``case`` (requests, prompt and output lengths) with the figures of its median pass by total time, and
+    every pass."""
     median = sorted(passes, key=lambda p: p["total_s"])[len(passes) // 2]
-    return {"requests": num_requests, "prompt_len": prompt_len, "output_len": out_len, **median, "passes": passes}
+    return {**case, **{k: v for k, v in median.items() if k != "run"}, "passes": passes}
+
+
+def pooled_throughput(runs: list[dict]) -> list[dict]:
+    """One engine's throughput cases over several runs (processes) of it: each case's passes pooled, each
+    marked with its run's index, and the median taken over them all."""
+    pooled = []
+    for cases in zip(*(run["throughput"] for run in runs)):
+        passes = [dict(p, run=r) for r, case in enumerate(cases) for p in case["passes"]]
+        pooled.append(median_case({k: cases[0][k] for k in ("requests", "prompt_len", "output_len")}, passes))
+    return pooled
 
 
 def throughput(llm, num_requests, prompt_len, out_len, seed):
@@ -332,12 +350,18 @@ def throughput_only(args, engine_names, script, engine_env):
         raise SystemExit(f"--throughput-only: unknown engines {unknown}; known: {list(engine_names)}")
     workdir, model = tiny_model(args)
     report = {"throughput_only": True, "widths": args.widths, "engines": {}, "failed_engines": {}}
-    for engine in args.throughput_only:
-        run = run_engine(script, workdir, model, engine, engine_env, throughput=True, suffix="-throughput")
+    runs = {}
+    for i, engine in enumerate(args.throughput_only):
+        nth = args.throughput_only[:i].count(engine)
+        run = run_engine(script, workdir, model, engine, engine_env, throughput=True,
+                         suffix="-throughput" + (f"-{nth + 1}" if nth else ""))
         if "failed" in run:
             report["failed_engines"][engine] = run
         else:
-            report["engines"][engine] = {k: run[k] for k in ("throughput", "fusion_matches") if k in run}
+            runs.setdefault(engine, []).append(run)
+    for engine, engine_runs in runs.items():
+        report["engines"][engine] = {"throughput": pooled_throughput(engine_runs), "runs": len(engine_runs),
+                                     **{k: engine_runs[0][k] for k in ("fusion_matches",) if k in engine_runs[0]}}
     write_report(report, args.out)
     if report["failed_engines"]:
         raise SystemExit(f"engines that failed: {sorted(report['failed_engines'])}")
@@ -377,7 +401,9 @@ def parse_args(description: str, pair_groups: dict, workdir: str, out: str) -> a
     parser.add_argument("--out", default=out)
     parser.add_argument("--throughput", action="store_true")
     parser.add_argument("--throughput-only", nargs="+", metavar="ENGINE",
-                        help="time these engines' throughput alone, one process each: no agreement, no --group")
+                        help="time these engines' throughput alone, one process each: no agreement, no --group; "
+                             "an engine named again runs again and its passes are pooled (A B B A: the host's "
+                             "drift between processes falls on both)")
     parser.add_argument("--reuse", action="store_true", help="reuse decodes an earlier run left in --workdir")
     parser.add_argument("--widths", choices=sorted(WIDTHS), default="tiny",
                         help="the model's widths (examples/tiny_deepseek_v3.py): tiny, or DeepSeek-V3's own")
