@@ -85,8 +85,8 @@ def profile_engine(workdir: str, engine: str) -> dict:
     llm.stop_profile()
     summaries = [summarize_trace(p) for p in trace_dir.rglob("*.pt.trace.json*")]
     worker = max(summaries, key=lambda s: s["kernel_us_per_step"])  # the frontend's trace, if any, has no kernels
-    table = next(trace_dir.rglob("profiler_out_0.txt"), None)
-    table = table.read_text() if table else None
+    table_file = next(trace_dir.rglob("profiler_out_0.txt"), None)
+    table = table_file.read_text() if table_file else None
     worker["host_self_cpu_us_per_step"] = self_cpu_us_per_step(table) if table else None
     return {"engine": engine, "unprofiled_pass_s": wall_s, "profile": worker, "trace_dir": str(trace_dir),
             "table": table}

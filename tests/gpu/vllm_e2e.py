@@ -360,8 +360,9 @@ def throughput_only(args, engine_names, script, engine_env):
         else:
             runs.setdefault(engine, []).append(run)
     for engine, engine_runs in runs.items():
-        report["engines"][engine] = {"throughput": pooled_throughput(engine_runs), "runs": len(engine_runs),
-                                     **{k: engine_runs[0][k] for k in ("fusion_matches",) if k in engine_runs[0]}}
+        entry = report["engines"][engine] = {"throughput": pooled_throughput(engine_runs), "runs": len(engine_runs)}
+        if "fusion_matches" in engine_runs[0]:
+            entry["fusion_matches"] = engine_runs[0]["fusion_matches"]
     write_report(report, args.out)
     if report["failed_engines"]:
         raise SystemExit(f"engines that failed: {sorted(report['failed_engines'])}")
