@@ -47,7 +47,6 @@ def test_representative_sizes_take_every_small_batch_then_one_of_each_launch(mon
     assert warmup.representative_sizes(5, lambda m: pytest.fail("no size above the full sweep")) == [1, 2, 3, 4, 5]
 
 
-
 COMPILE_TWICE = """
 import json
 import triton, triton.language as tl
