@@ -1,5 +1,5 @@
-"""Block-scaled fp8 GEMM time: latentspeed (its tuned table's choice, and the Gluon kernel for Hopper
-at one config) against vLLM's Triton, CUTLASS and DeepGEMM kernels, SGLang's Triton and CUTLASS
+"""Block-scaled fp8 GEMM time: latentspeed (its tuned table's choice; the same with its K splits summed by a
+second kernel, where that choice sums them in its launch; the Gluon kernel for Hopper at one config) against vLLM's Triton, CUTLASS and DeepGEMM kernels, SGLang's Triton and CUTLASS
 kernels, and bf16 cuBLAS.
 
 DeepSeek-V3's linear shapes (N, K) at M = 1 ... 4096, one process, same weights for everyone:
@@ -29,7 +29,7 @@ import triton  # noqa: E402
 
 from benchmarks.timing import in_cuda_graph  # noqa: E402
 from common_kernels.fp8 import block_scaled_gemm, quantize_per_token_group  # noqa: E402
-from common_kernels.fp8.gemm import gemm_config  # noqa: E402
+from common_kernels.fp8.gemm import gemm_config, sums_in_launch  # noqa: E402
 from common_kernels.fp8.reference import dequantize_weight_blocks_ref, quantize_weight_blocks_ref  # noqa: E402
 
 SHAPES = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]
@@ -64,6 +64,14 @@ def ours_sm90_ws(x, w, ws):
     """The warp-specialized Gluon kernel (``gemm_sm90_ws``) at one fixed config, before any tuned
     table picks it; from M = 128."""
     return ours(x, w, ws, SM90_WS_CONFIG) if x.shape[0] >= 128 else None
+
+
+def ours_split_sum_kernel(x, w, ws):
+    """``latentspeed``'s config with its K splits summed by a second kernel (``"SUM_IN_LAUNCH": False``): the A/B of
+    summing them in the GEMM's launch, where that config sums there."""
+    m, (n, k) = x.shape[0], w.shape
+    config = gemm_config(m, n, k, x.device)
+    return ours(x, w, ws, dict(config, SUM_IN_LAUNCH=False)) if sums_in_launch(m, n, config) else None
 
 
 def vllm_triton(x, w, ws):
@@ -125,7 +133,8 @@ def cublas_bf16(x, w, ws):
     return lambda: x @ w_bf16.T
 
 
-PROVIDERS = {"latentspeed": ours, "latentspeed-sm90": ours_sm90, "latentspeed-sm90-ws": ours_sm90_ws,
+PROVIDERS = {"latentspeed": ours, "latentspeed-split-sum-kernel": ours_split_sum_kernel,
+             "latentspeed-sm90": ours_sm90, "latentspeed-sm90-ws": ours_sm90_ws,
              "vLLM-Triton": vllm_triton, "vLLM-CUTLASS": vllm_cutlass, "vLLM-DeepGEMM": vllm_deep_gemm,
              "SGLang-Triton": sglang_triton, "SGLang-CUTLASS": sglang_cutlass, "cuBLAS-bf16": cublas_bf16}
 
@@ -161,7 +170,7 @@ def main():
                     continue
                 row = dict(provider=name, m=m, n=n, k=k, cuda_graph=args.cuda_graph, us=us,
                            tflop_s=2 * m * n * k / us / 1e6, rel_err=err)
-                if name == "latentspeed":
+                if name in ("latentspeed", "latentspeed-split-sum-kernel"):
                     row.update(quant_us=quant_us, config=gemm_config(m, n, k, x.device))
                 if name in ("latentspeed-sm90", "latentspeed-sm90-ws"):
                     row.update(config=SM90_CONFIG if name == "latentspeed-sm90" else SM90_WS_CONFIG)

@@ -163,14 +163,16 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
 
 
 def gemm_report(block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None = None,
-                swap_ab: bool = False) -> HopperReport:
+                swap_ab: bool = False, sum_in_launch: bool = False) -> HopperReport:
     """The block-scaled fp8 GEMM kernel at one launch config (``maxnreg``: the config's register cap;
-    ``swap_ab``: products as ``B A^T``)."""
+    ``swap_ab``: products as ``B A^T``; ``sum_in_launch``: K-split partials summed by each tile's last split)."""
     from common_kernels.fp8 import gemm
 
-    pointers = dict(a_ptr=torch.float8_e4m3fn, b_ptr=torch.float8_e4m3fn, c_ptr=torch.bfloat16,
-                    a_scale_ptr=torch.float32, b_scale_ptr=torch.float32)
-    constexprs = dict(BLOCK_K=gemm.SCALE_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8, SWAP_AB=swap_ab)
+    pointers = dict(a_ptr=torch.float8_e4m3fn, b_ptr=torch.float8_e4m3fn,
+                    c_ptr=torch.float32 if sum_in_launch else torch.bfloat16, a_scale_ptr=torch.float32,
+                    b_scale_ptr=torch.float32, out_ptr=torch.bfloat16, counters_ptr=torch.int32)
+    constexprs = dict(BLOCK_K=gemm.SCALE_BLOCK, BLOCK_M=block_m, BLOCK_N=block_n, GROUP_M=8, SWAP_AB=swap_ab,
+                      SUM_IN_LAUNCH=sum_in_launch)
     return compile_for_hopper(gemm._block_scaled_gemm_kernel, pointers, constexprs, num_warps, num_stages,
                               unaligned=("M", "splits", "stride_asm", "stride_bsn"), maxnreg=maxnreg)
 
@@ -246,6 +248,8 @@ def every_kernel_report() -> dict[str, HopperReport]:
     reports["gemm 64x128"] = gemm_report(64, 128, 4, 4)
     for swap_ab in (False, True):  # decode's 16-row tiles: products as A B^T, or as B A^T (SWAP_AB)
         reports[f"gemm 16x128{', swapped' if swap_ab else ''}"] = gemm_report(16, 128, 4, 4, swap_ab=swap_ab)
+    reports["gemm 16x128, swapped, K splits summed in the launch"] = gemm_report(16, 128, 4, 4, swap_ab=True,
+                                                                                sum_in_launch=True)
     for bn in (128, 64):  # the Gluon GEMM (gemm_sm90): its wgmma must not be serialized by ptxas
         reports[f"gemm sm90 128x{bn}"] = compile_for_hopper(
             gemm_sm90.block_scaled_gemm_kernel_sm90, dict(a_ptr=fp8, b_ptr=fp8, c_ptr=bf16, a_scale_ptr=f32,

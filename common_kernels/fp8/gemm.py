@@ -29,14 +29,17 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 
 @triton.jit
 def _block_scaled_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr,
-    M, N, K, stride_am, stride_bn, stride_cm, stride_cs, stride_asm, stride_bsn,
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, out_ptr, counters_ptr,
+    M, N, K, stride_am, stride_bn, stride_cm, stride_cs, stride_asm, stride_bsn, stride_om,
     splits, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    SWAP_AB: tl.constexpr,
+    SWAP_AB: tl.constexpr, SUM_IN_LAUNCH: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` tile over the K blocks of split ``program_id(1)`` of ``splits``.
     Tiles are ordered in groups of ``GROUP_M`` rows of tiles, so neighbouring programs share B in
-    L2. With ``splits > 1``, c is the fp32 ``[splits, M, N]`` partial of ``_split_k_sum_kernel``.
+    L2. With ``splits > 1``, c is the fp32 ``[splits, M, N]`` partial: summed by ``_split_k_sum_kernel``
+    after, or, with ``SUM_IN_LAUNCH``, here: each split counts itself done on the tile's int32 counter
+    (``counters_ptr[pid]``, zero before and after the launch), and the last of the tile sums the partials
+    in split order (as ``_split_k_sum_kernel`` does, so the result is the same to the bit) into ``out``.
     ``SWAP_AB``: the products are taken as ``B A^T`` (B's rows as the MMA's M, at least 64 on Hopper's
     wgmma; A's few rows as its N) into a ``[BLOCK_N, BLOCK_M]`` sum, transposed once at the end."""
     pid, split = tl.program_id(0), tl.program_id(1)
@@ -81,8 +84,19 @@ def _block_scaled_gemm_kernel(
                 acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]  # [BLOCK_M, BLOCK_N]
     if SWAP_AB:
         acc = tl.trans(acc)
-    c = c_ptr + split.to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tile = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    tl.store(tile + split.to(tl.int64) * stride_cs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    if SUM_IN_LAUNCH:
+        tl.debug_barrier()  # every thread's partial is written before the count releases it
+        if tl.atomic_add(counters_ptr + pid, 1, sem="acq_rel") == splits - 1:
+            total, part = tl.zeros([BLOCK_M, BLOCK_N], tl.float32), tile
+            for _ in range(0, splits):  # through L2: the other splits' partials were written by other SMs
+                total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+                part += stride_cs
+            out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(counters_ptr + pid, 0)  # for the next launch on this stream (and a CUDA graph's next replay)
 
 
 @triton.jit
@@ -174,8 +188,9 @@ def block_scaled_gemm(
         config: launch parameters (``BLOCK_M``, ``BLOCK_N``, ``SPLIT_K``, ``GROUP_M``, ``num_warps``,
             ``num_stages``, optionally ``SWAP_AB``: products as ``B A^T``); default ``gemm_config``, a
             table tuned per GPU and (N, K), then a heuristic (the heuristic's where the table names a Hopper kernel and an operand is not
-            E4M3 or its rows are not 16-byte aligned). ``SPLIT_K > 1`` sums fp32 partials in a second
-            kernel. ``"KERNEL": "sm90"`` runs ``gemm_sm90``'s Gluon kernel, ``"sm90_ws"`` the warp-specialized one of
+            E4M3 or its rows are not 16-byte aligned). ``SPLIT_K > 1`` sums fp32 partials in the same
+            launch (``sums_in_launch``; ``"SUM_IN_LAUNCH": False`` opts out), else in a second kernel.
+            ``"KERNEL": "sm90"`` runs ``gemm_sm90``'s Gluon kernel, ``"sm90_ws"`` the warp-specialized one of
             ``gemm_sm90_ws`` (Hopper; their ``fits`` say which configs; the latter splits K too, each
             split at least one K block: ``gemm_sm90_ws.splits_fit``).
 
@@ -210,11 +225,12 @@ def launch_key(m: int, n: int, k: int, device: torch.device) -> tuple:
     """What, besides sizes passed as runtime values, decides the kernels ``block_fp8_linear`` launches for
     ``m`` rows of a CUDA ``[n, k]`` weight and how Triton compiles them, from 16 rows up (where the
     quantizer's row blocks stop growing): ``gemm_config``, ``default_config`` (``block_scaled_gemm``'s
-    fallback), and whether ``m`` and ``m * n`` (the K-split partials' stride) divide by 16.
-    ``common_kernels.fp8.warmup`` runs one batch size of each key."""
+    fallback), whether each sums its K splits in the launch (``sums_in_launch``), and whether ``m`` and ``m * n``
+    (the K-split partials' stride) divide by 16. ``common_kernels.fp8.warmup`` runs one batch size of each key."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return (json.dumps(gemm_config(m, n, k, device), sort_keys=True), json.dumps(default_config(m, n, k, sms),
-            sort_keys=True), m % 16 == 0, m * n % 16 == 0)
+    configs = gemm_config(m, n, k, device), default_config(m, n, k, sms)
+    return (*(json.dumps(c, sort_keys=True) for c in configs), *(sums_in_launch(m, n, c) for c in configs),
+            m % 16 == 0, m * n % 16 == 0)
 
 
 def e4m3_operands(*operands: torch.Tensor) -> bool:
@@ -227,23 +243,46 @@ def aligned_rows(*operands: torch.Tensor) -> bool:
     return all(t.stride(-2) % 16 == 0 and t.data_ptr() % 16 == 0 for t in operands)
 
 
+TILE_COUNTERS = 4096  # tiles of one K-split launch that sum in the launch; above it, a second kernel sums
+_counters: dict[tuple, torch.Tensor] = {}  # per device and stream, never freed: CUDA graphs keep their address
+
+
+def sums_in_launch(m: int, n: int, config: dict) -> bool:
+    """Whether ``block_scaled_gemm`` with this (Triton kernel) ``config`` sums its K splits in the GEMM's own launch:
+    split, at most ``TILE_COUNTERS`` output tiles, and not ``"SUM_IN_LAUNCH": False``."""
+    tiles = triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
+    return (config.get("SPLIT_K", 1) > 1 and not config.get("KERNEL") and config.get("SUM_IN_LAUNCH", True)
+            and tiles <= TILE_COUNTERS)
+
+
+def tile_counters(device: torch.device) -> torch.Tensor:
+    """The ``TILE_COUNTERS`` int32 zeros of ``device``'s current stream: launches on one stream run one after
+    another, so each finds them zero; kernels on two streams may overlap, so each stream has its own."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _counters:
+        _counters[key] = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
+    return _counters[key]
+
+
 def _launch(a, a_scale, b, b_scale, out, config: dict) -> None:
     (m, k), n = a.shape, b.shape[0]
     if config.get("KERNEL") in ("sm90", "sm90_ws"):
         _launch_sm90(a, a_scale, b, b_scale, out, config)
         return
-    split = config["SPLIT_K"]
+    split, in_launch = config["SPLIT_K"], sums_in_launch(m, n, config)
     partial = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=a.device)
     grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split)
     _block_scaled_gemm_kernel[grid](
-        a, b, partial, a_scale, b_scale, m, n, k, a.stride(0), b.stride(0),
-        out.stride(0) if split == 1 else n, partial.stride(0) if split > 1 else 0, a_scale.stride(0), b_scale.stride(0),
+        a, b, partial, a_scale, b_scale, out if in_launch else None, tile_counters(a.device) if in_launch else None,
+        m, n, k, a.stride(0), b.stride(0), out.stride(0) if split == 1 else n, partial.stride(0) if split > 1 else 0,
+        a_scale.stride(0), b_scale.stride(0), out.stride(0),
         split, BLOCK_K=SCALE_BLOCK, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], GROUP_M=config["GROUP_M"],
-        SWAP_AB=config.get("SWAP_AB", False),
+        SWAP_AB=config.get("SWAP_AB", False), SUM_IN_LAUNCH=in_launch,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
         **({"maxnreg": config["maxnreg"]} if "maxnreg" in config else {}),  # a register cap: more programs an SM
     )
-    if split > 1:
+    if split > 1 and not in_launch:
         _sum_splits(partial, out)
 
 

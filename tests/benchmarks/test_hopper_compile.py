@@ -27,7 +27,7 @@ def hopper_compile(*args: str, **environ: str) -> dict:
 
 def test_every_kernel_compiles_for_hopper():
     reports = hopper_compile("all")
-    assert len(reports) == 47
+    assert len(reports) == 48
     for label, report in reports.items():
         if label.startswith("decode, "):
             assert report["async_copies"] + report["tma_copies"] > 0, f"{label}: the tile loads are not asynchronous"
@@ -36,8 +36,11 @@ def test_every_kernel_compiles_for_hopper():
     for label in ("decode, 128 heads, bf16", "decode, 128 heads, e4m3", "prefill, 192/128, causal", "gemm 64x128",
                   "gemm sm90 128x128", "gemm sm90 128x64", "moe gate/up gemm", "moe down gemm"):
         assert reports[label]["wgmma"] > 0 and reports[label]["async_copies"] > 0, label
-    for label in ("gemm 64x128", "gemm sm90 128x128", "gemm sm90 128x64"):
+    for label in ("gemm 64x128", "gemm sm90 128x128", "gemm sm90 128x64", "gemm 16x128, swapped",
+                  "gemm 16x128, swapped, K splits summed in the launch"):
         assert reports[label]["spill_bytes"] == 0, label
+    summed = reports["gemm 16x128, swapped, K splits summed in the launch"]  # the split sum keeps the wgmma
+    assert summed["wgmma"] == reports["gemm 16x128, swapped"]["wgmma"] > 0 and not summed["wgmma_serialized"]
     # the warp-specialized GEMM: one producer warp's two bulk tensor copies a K block; four wgmma a K
     # block at four places in each of the two consumer warpgroups (the first K block, the pair's two
     # in the loop, the one left after it); nothing copied by threads, no spills under the launch's

@@ -202,6 +202,47 @@ def test_block_scaled_gemm_configs_agree(config):
     assert torch.isnan(wide[:, n:]).all()
 
 
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["ab", "swapped"])
+def test_split_k_summed_in_the_launch_gives_the_second_kernels_bits(monkeypatch, swap_ab):
+    """K splits summed by each tile's last split, inside the GEMM's launch, give the bits the separate sum kernel
+    gives (both add the splits in order), leave the stream's tile counters at zero, and agree again at a second
+    launch on the same counters."""
+    from common_kernels.fp8 import gemm
+
+    m, n, k = 37, 200, 5 * 128 - 64  # 3 x 4 tiles of 16 x 64, 5 K blocks in 3 splits
+    a, a_scale = quantize_per_token_group_ref(torch.randn(m, k, device=device()))
+    b, b_scale = quantize_weight_blocks_ref(torch.randn(n, k, device=device()) * 0.05)
+    config = dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=3, GROUP_M=2, SWAP_AB=swap_ab, num_warps=4, num_stages=1)
+
+    def run():
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=device())
+        return block_scaled_gemm(a, a_scale, b, b_scale, out=out, config=config)
+
+    assert gemm.sums_in_launch(m, n, config)
+    in_launch = [run(), run()]
+    assert not gemm.tile_counters(a.device).any(), "a tile's counter was left set"
+    config["SUM_IN_LAUNCH"] = False  # the config opts out: the second kernel sums
+    second_kernel = run()
+    assert not torch.isnan(second_kernel).any()
+    assert torch.equal(in_launch[0], second_kernel) and torch.equal(in_launch[1], second_kernel)
+    del config["SUM_IN_LAUNCH"]
+    monkeypatch.setattr(gemm, "TILE_COUNTERS", 11)  # one fewer than the 12 tiles: the second kernel sums
+    assert not gemm.sums_in_launch(m, n, config) and torch.equal(run(), second_kernel)
+    assert_close(second_kernel, block_scaled_gemm_ref(a, a_scale, b, b_scale, torch.float32), atol=1e-3, rtol=1e-2,
+                 name="gemm")
+
+
+def test_only_split_triton_launches_sum_in_the_launch():
+    from common_kernels.fp8.gemm import TILE_COUNTERS, sums_in_launch
+
+    split = dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=2)
+    assert sums_in_launch(16, 64 * TILE_COUNTERS, split)
+    assert not sums_in_launch(17, 64 * TILE_COUNTERS, split)  # one tile too many
+    assert not sums_in_launch(16, 64, dict(split, SPLIT_K=1))
+    assert not sums_in_launch(16, 64, dict(split, SUM_IN_LAUNCH=False))
+    assert not sums_in_launch(16, 64, dict(split, KERNEL="sm90_ws"))  # its partials are summed after it
+
+
 def test_gemm_config_choice():
     from common_kernels.fp8.gemm import default_config, nearest_tuned
 

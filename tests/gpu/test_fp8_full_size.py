@@ -52,6 +52,40 @@ def test_swapped_products_deepseek_shapes(m, block_m, block_n, split, n, k):
     assert_close(out, expected, atol=2e-3 * expected.abs().max().item(), rtol=1e-2, name=f"gemm {config}")
 
 
+@pytest.mark.parametrize("n,k", [(7168, 16384), (2112, 7168)], ids=["n7168_k16384", "n2112_k7168"])
+def test_split_k_summed_in_the_launch_across_sms_streams_and_graph_replays(n, k):
+    """The K splits summed inside the GEMM's launch, where a tile's splits run on different SMs at once and the last
+    one (by the tile's atomic counter) adds the partials: the bits of the second-kernel sum at every launch, from two
+    streams at once (each has its counters), and in CUDA graph replays."""
+    from common_kernels.fp8 import gemm
+
+    m, config = 64, dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=8, GROUP_M=8, num_warps=4, num_stages=4)
+    a, a_scale = quantize_per_token_group(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+    b, b_scale = quantize_weight_blocks_ref(torch.randn(n, k, device="cuda") * 0.02)
+    assert gemm.sums_in_launch(m, n, config)
+    expected = block_scaled_gemm(a, a_scale, b, b_scale, config=dict(config, SUM_IN_LAUNCH=False))  # a second kernel
+    assert not torch.isnan(expected).any()
+    for i in range(20):
+        assert torch.equal(block_scaled_gemm(a, a_scale, b, b_scale, config=config), expected), f"launch {i}"
+    streams, outs = (torch.cuda.Stream(), torch.cuda.Stream()), []
+    torch.cuda.synchronize()
+    for _ in range(10):
+        for stream in streams:
+            with torch.cuda.stream(stream):
+                outs.append(block_scaled_gemm(a, a_scale, b, b_scale, config=config))
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, expected) for out in outs), "two streams at once"
+    out, graph = torch.empty_like(expected), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        block_scaled_gemm(a, a_scale, b, b_scale, out=out, config=config)
+    for i in range(10):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected), f"graph replay {i}"
+    assert not gemm.tile_counters(a.device).any()
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="Hopper")
 @pytest.mark.parametrize("n,k", TP8_SHAPES, ids=[f"n{n}_k{k}" for n, k in TP8_SHAPES])
 @pytest.mark.parametrize("m", [256, 300, 4096])
