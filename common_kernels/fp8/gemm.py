@@ -255,12 +255,16 @@ def sums_in_launch(m: int, n: int, config: dict) -> bool:
             and tiles <= TILE_COUNTERS)
 
 
-def tile_counters(device: torch.device) -> torch.Tensor:
+def tile_counters(device: torch.device) -> torch.Tensor | None:
     """The ``TILE_COUNTERS`` int32 zeros of ``device``'s current stream: launches on one stream run one after
-    another, so each finds them zero; kernels on two streams may overlap, so each stream has its own."""
+    another, so each finds them zero; kernels on two streams may overlap, so each stream has its own. None while
+    the stream captures a CUDA graph before any eager launch made its counters: zeros made in a capture are written
+    at that graph's replays only, so another graph captured on the stream could find them unset."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
     if key not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
         _counters[key] = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
     return _counters[key]
 
@@ -270,11 +274,13 @@ def _launch(a, a_scale, b, b_scale, out, config: dict) -> None:
     if config.get("KERNEL") in ("sm90", "sm90_ws"):
         _launch_sm90(a, a_scale, b, b_scale, out, config)
         return
-    split, in_launch = config["SPLIT_K"], sums_in_launch(m, n, config)
+    split = config["SPLIT_K"]
+    counters = tile_counters(a.device) if sums_in_launch(m, n, config) else None
+    in_launch = counters is not None  # else a second kernel sums
     partial = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=a.device)
     grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]), split)
     _block_scaled_gemm_kernel[grid](
-        a, b, partial, a_scale, b_scale, out if in_launch else None, tile_counters(a.device) if in_launch else None,
+        a, b, partial, a_scale, b_scale, out if in_launch else None, counters,
         m, n, k, a.stride(0), b.stride(0), out.stride(0) if split == 1 else n, partial.stride(0) if split > 1 else 0,
         a_scale.stride(0), b_scale.stride(0), out.stride(0),
         split, BLOCK_K=SCALE_BLOCK, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], GROUP_M=config["GROUP_M"],

@@ -56,7 +56,8 @@ def test_swapped_products_deepseek_shapes(m, block_m, block_n, split, n, k):
 def test_split_k_summed_in_the_launch_across_sms_streams_and_graph_replays(n, k):
     """The K splits summed inside the GEMM's launch, where a tile's splits run on different SMs at once and the last
     one (by the tile's atomic counter) adds the partials: the bits of the second-kernel sum at every launch, from two
-    streams at once (each has its counters), and in CUDA graph replays."""
+    streams at once (each has its counters), and in CUDA graph replays (a graph captured on a stream without
+    counters sums in a second kernel)."""
     from common_kernels.fp8 import gemm
 
     m, config = 64, dict(BLOCK_M=16, BLOCK_N=64, SPLIT_K=8, GROUP_M=8, num_warps=4, num_stages=4)
@@ -75,14 +76,23 @@ def test_split_k_summed_in_the_launch_across_sms_streams_and_graph_replays(n, k)
                 outs.append(block_scaled_gemm(a, a_scale, b, b_scale, config=config))
     torch.cuda.synchronize()
     assert all(torch.equal(out, expected) for out in outs), "two streams at once"
-    out, graph = torch.empty_like(expected), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        block_scaled_gemm(a, a_scale, b, b_scale, out=out, config=config)
-    for i in range(10):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, expected), f"graph replay {i}"
+    for stream in streams:  # graphs captured on a stream whose eager launches made its counters (as the engines'
+        # warm-up runs make them before their captures) sum in the launch; on a new one, in a second kernel
+        out, graph = torch.empty_like(expected), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            block_scaled_gemm(a, a_scale, b, b_scale, out=out, config=config)
+        assert (a.device, stream.cuda_stream) in gemm._counters
+        fresh, fresh_graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(fresh_graph, stream=fresh):
+            fresh_out = block_scaled_gemm(a, a_scale, b, b_scale, config=config)
+        assert (a.device, fresh.cuda_stream) not in gemm._counters
+        for i in range(10):
+            out.fill_(float("nan"))
+            fresh_out.fill_(float("nan"))
+            graph.replay()
+            fresh_graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, expected) and torch.equal(fresh_out, expected), f"graph replay {i}"
     assert not gemm.tile_counters(a.device).any()
 
 
