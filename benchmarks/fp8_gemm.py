@@ -1,6 +1,6 @@
 """Block-scaled fp8 GEMM time: latentspeed (its tuned table's choice; the same with its K splits summed by a
-second kernel, where that choice sums them in its launch; the Gluon kernel for Hopper at one config) against vLLM's Triton, CUTLASS and DeepGEMM kernels, SGLang's Triton and CUTLASS
-kernels, and bf16 cuBLAS.
+second kernel, where that choice sums them in its launch; the Gluon kernel for Hopper at one config) against
+vLLM's Triton, CUTLASS and DeepGEMM kernels, SGLang's Triton and CUTLASS kernels, and bf16 cuBLAS.
 
 DeepSeek-V3's linear shapes (N, K) at M = 1 ... 4096, one process, same weights for everyone:
 E4M3 weights with 128 x 128 block scales, activations quantized per 1 x 128 group by each
