@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke clocks kernels ncu bench bench-small paired-check fp8pv-check tune-gemm tune-moe tune-tp8 tune-small untuned-ab fp8-bench fp8-bench-graph moe-bench moe-ws moe-gemms producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-ab e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke clocks kernels ncu bench bench-small paired-check fp8pv-check tune-gemm tune-moe tune-tp8 tune-small untuned-ab fp8-bench fp8-bench-graph moe-bench moe-ws moe-gemms producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-ab e2e-decode-ab e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
 #                                         bundle on PYTHONPATH), fp8-bench-sglang moe-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8 sglang-e2e-w8-fused
 #                                         sglang-ct-e2e sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         wait-engine (until a staging call has touched /tmp/gpu-site-*/.ready),
@@ -170,6 +170,10 @@ for step in "$@"; do
       # (passes pooled per engine): host drift between processes falls on both (results/vllm-moe-warmup-h100-*-s47.md)
       python3 tests/gpu/vllm_e2e.py --throughput-only FLASHMLA-w8 FLASHMLA-w8-latentspeed FLASHMLA-w8-latentspeed \
         FLASHMLA-w8 --workdir /tmp/e2e --out "$out/e2e-w8-ab.json" 2>&1 | tee "$out/e2e-w8-ab.log" \
+        | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
+    e2e-decode-ab)  # throughput alone, FLASHMLA against CUSTOM's default (our decode, vLLM's prefill), bf16, A B B A
+      python3 tests/gpu/vllm_e2e.py --throughput-only FLASHMLA-bf16 latentspeed-decode-bf16 latentspeed-decode-bf16 \
+        FLASHMLA-bf16 --workdir /tmp/e2e --out "$out/e2e-decode-ab.json" 2>&1 | tee "$out/e2e-decode-ab.log" \
         | grep -E '^\[e2e\]|Error|error|Traceback' | tail -n 60 ;;
     e2e-w8-fused)  # latentspeed_fp8 (RMSNorm and SiLU-and-mul fused, the default) against no fusion (agreement, throughput, matches)
       python3 tests/gpu/vllm_e2e.py --group w8-fused --throughput --reuse --workdir /tmp/e2e --out "$out/e2e-w8-fused.json" \

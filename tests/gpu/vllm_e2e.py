@@ -50,7 +50,9 @@ ENGINES = {
     "FLASHMLA-fp8": ("FLASHMLA", None, "fp8", None),
     "latentspeed-fp8": ("CUSTOM", "CUSTOM", "fp8", None),
     "latentspeed-fp8_e5m2": ("CUSTOM", "CUSTOM", "fp8_e5m2", None),
-    # Our decode with vLLM's own prefill, as FLASHMLA-fp8 has it: the decode's share of throughput alone.
+    # Our decode with vLLM's own prefill, as FLASHMLA has it: `--attention-backend CUSTOM` without our prefill,
+    # the default, and the decode's share of throughput alone.
+    "latentspeed-decode-bf16": ("CUSTOM", None, "auto", None),
     "latentspeed-decode-fp8": ("CUSTOM", None, "fp8", None),
     # Block-FP8 weights quantized while loading the bf16 checkpoint: vLLM's own online block
     # method (its kernels) against latentspeed_fp8 (ours), each with its engine's attention.
@@ -73,6 +75,7 @@ PAIRS = {
     "bf16": [
         ("FLASHMLA-bf16", "TRITON_MLA-bf16"),
         ("FLASHMLA-bf16", "latentspeed-bf16"),
+        ("FLASHMLA-bf16", "latentspeed-decode-bf16"),
     ],
     "fp8": [
         ("FLASHMLA-fp8", "latentspeed-fp8"),
