@@ -108,7 +108,8 @@ def measure(side: str, kernels, constants, inputs, dtype, batch: int, heads: int
         use(kernels)
         try:
             plan = plan_decode(batch, heads, q_len, ctx, sms, cache_dtype=dtype, sm90=sm90)
-            row = {f"{side}_splits": plan.num_splits, f"{side}_paired": plan.paired}
+            row = {f"{side}_splits": plan.num_splits, f"{side}_paired": plan.paired,
+                   f"{side}_fp8_pv": plan.fp8_probs(dtype)}
             if check:
                 scale = kv_scale if dtype != torch.bfloat16 else None
                 got, _ = mla_decode(q[..., :D_LATENT], q[..., D_LATENT:], cache, table, lens, SCALE, plan, scale)

@@ -286,6 +286,7 @@ class DecodePlan:
     num_splits: int
     sm90: bool = False  # made for the Gluon kernels of sm_90 (``sm90_kernels_apply``)
     paired: bool = False  # sm_90's narrow fp8 launches as paired programs (``decode_sm90_narrow.pairs``)
+    long_splits: bool = True  # sm_90's 64-row fp8 launches may run P V in fp8 (``decode_sm90_seesaw.fp8_pv_pays``)
 
     def fp8_queries(self, cache_dtype: torch.dtype) -> bool:
         """Whether ``Q K^T`` runs in fp8 (queries quantized per row to E4M3): fp8 caches
@@ -295,12 +296,13 @@ class DecodePlan:
     def fp8_probs(self, cache_dtype: torch.dtype) -> bool:
         """Whether ``P V`` runs in fp8 (``P`` rounded to the cache's format) over a paged cache: fp8
         caches on sm_90's kernels, in row groups of 16 and 32 (``decode_sm90_narrow.fp8_pv``) and of 64
-        (``decode_sm90_seesaw.fp8_pv``)."""
+        (``decode_sm90_seesaw.fp8_pv``, on plans with ``long_splits``)."""
         if not self.sm90:
             return False
         if self.block_rows in decode_sm90_narrow.BLOCK_ROWS:
             return decode_sm90_narrow.fp8_pv(cache_dtype)
-        return self.block_rows == decode_sm90_seesaw.BLOCK_R and decode_sm90_seesaw.fp8_pv(cache_dtype)
+        return (self.block_rows == decode_sm90_seesaw.BLOCK_R and self.long_splits
+                and decode_sm90_seesaw.fp8_pv(cache_dtype))
 
     @property
     def row_groups(self) -> int:
@@ -356,7 +358,8 @@ def plan_decode(
     ``MAX_SPLITS`` (benchmarks/results/mla_decode-splits-2026-12-01.md). On sm_90's narrow fp8
     kernel: paired programs (one a multiprocessor) where their splits are long enough
     (``decode_sm90_narrow.pairs``), else two one-warpgroup programs, or one where two would leave
-    splits shorter than ``MIN_TOKENS_PER_SHARED_SPLIT``. ``cache_dtype``
+    splits shorter than ``MIN_TOKENS_PER_SHARED_SPLIT``. On its 64-row kernel: ``P V`` in fp8 only where
+    the splits are long or the launch spans more than one wave (``decode_sm90_seesaw.fp8_pv_pays``). ``cache_dtype``
     (default bf16) sets the launch, hence the occupancy. ``num_splits`` overrides the heuristic
     (1 gives a deterministic, batch-invariant merge). ``sm90``: the launches will run on sm_90's
     Gluon kernels (pass ``sm90_kernels_apply(...)``); without it they run the Triton kernel.
@@ -367,12 +370,17 @@ def plan_decode(
     block_rows = min(MAX_BLOCK_ROWS, max(16, triton.next_power_of_2(rows)))
     fp8 = cache_dtype in FP8_DTYPES
 
+    groups = max(1, batch) * triton.cdiv(rows, block_rows)
+
     def paired(splits: int) -> bool:
         return sm90 and decode_sm90_narrow.pairs(block_rows, fp8, max_seq_len // splits)
 
+    def long_splits(splits: int) -> bool:
+        return decode_sm90_seesaw.fp8_pv_pays(max_seq_len // splits, groups * splits, num_sms)
+
     if num_splits is not None:
-        return DecodePlan(batch, q_len, num_heads, block_rows, num_splits, sm90, paired(num_splits))
-    groups = max(1, batch) * triton.cdiv(rows, block_rows)
+        return DecodePlan(batch, q_len, num_heads, block_rows, num_splits, sm90, paired(num_splits),
+                          long_splits(num_splits))
     by_length = triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT)
 
     def filling(programs: int) -> int:
@@ -385,7 +393,7 @@ def plan_decode(
     num_splits = filling(programs)
     if sm90 and programs > 1 and max_seq_len < num_splits * MIN_TOKENS_PER_SHARED_SPLIT:
         num_splits = filling(1)
-    return DecodePlan(batch, q_len, num_heads, block_rows, num_splits, sm90)
+    return DecodePlan(batch, q_len, num_heads, block_rows, num_splits, sm90, long_splits=long_splits(num_splits))
 
 
 def max_workspace_tokens_times_splits(max_batch: int, num_sms: int) -> int:

@@ -309,6 +309,29 @@ def test_plan_bounds_workspace(monkeypatch):
         assert plan_decode(128, 16, 1, 500, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 1
 
 
+def test_fp8_pv_on_the_64_row_kernel_needs_long_splits_or_two_waves():
+    """The 64-row kernel's fp8 ``P V`` costs more a launch than the widened fp16 one: planned where
+    every split reads at least ``MIN_TOKENS_PER_FP8_PV_SPLIT`` tokens or the launch spans more than
+    one wave; the narrow kernel's is not affected."""
+    from common_kernels.mla.decode_sm90_seesaw import MIN_TOKENS_PER_FP8_PV_SPLIT
+
+    assert MIN_TOKENS_PER_FP8_PV_SPLIT == 1024
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        def plan(batch, heads, ctx, **kw):
+            return plan_decode(batch, heads, 1, ctx, 132, cache_dtype=dtype, sm90=True, **kw)
+
+        for batch, ctx in ((1, 512), (1, 16384), (8, 4096), (64, 512)):  # 64, 512, 512, 512 tokens a split
+            short = plan(batch, 128, ctx)
+            assert not short.long_splits and not short.fp8_probs(dtype), (batch, ctx, short)
+            assert plan(batch, 16, ctx).fp8_probs(dtype), (batch, ctx)
+        for batch, ctx in ((1, 32768), (8, 8192), (32, 2048)):  # 1024 tokens a split, one wave
+            assert plan(batch, 128, ctx).fp8_probs(dtype), (batch, ctx)
+        wide = plan(128, 128, 512)  # 256 programs of 512 tokens: two waves
+        assert wide.num_splits == 1 and wide.fp8_probs(dtype)
+        assert plan(6, 128, 6000, num_splits=1).fp8_probs(dtype)  # direct: 6000 tokens
+        assert not plan(6, 128, 6000, num_splits=11).fp8_probs(dtype)  # 545 a split, 132 programs
+
+
 def test_sm90_kernel_routing():
     """Which Gluon kernel an sm_90 launch goes to (the choice is made on any machine; the kernels
     run only on the GPU, ``tests/gpu/test_decode_sm90.py``)."""
@@ -331,8 +354,8 @@ def test_fp8_probs_on_the_sm90_kernels_over_fp8(monkeypatch):
     ``LATENTSPEED_MLA_DECODE_FP8_PV=0`` both."""
     from common_kernels.mla import decode_sm90_narrow, decode_sm90_seesaw, sm90_common
 
-    def probs(heads, q_len, dtype, sm90=True):
-        return plan_decode(4, heads, q_len, 4096, 132, cache_dtype=dtype, sm90=sm90).fp8_probs(dtype)
+    def probs(heads, q_len, dtype, sm90=True):  # splits of 2048 tokens
+        return plan_decode(4, heads, q_len, 1 << 15, 132, cache_dtype=dtype, sm90=sm90).fp8_probs(dtype)
 
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         assert probs(16, 1, dtype) and probs(16, 2, dtype) and probs(16, 4, dtype) and probs(128, 1, dtype)

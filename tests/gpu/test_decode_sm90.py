@@ -78,7 +78,8 @@ def test_matches_reference_and_triton(monkeypatch, cache_name, page, num_splits,
     args = (q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale)
     out, lse = _decode(monkeypatch, True, *args)
     fp8_probs = plan.fp8_probs(cache_dtype)
-    assert fp8_probs == fp8
+    # 128 heads, one token, planned: 11 splits of 545 tokens in one wave, where the 64-row kernel widens P V
+    assert fp8_probs == (fp8 and not (num_heads == 128 and q_len == 1 and num_splits is None))
     bound = fp8_flip_bound(q_nope, fp8_probs)
     ref, ref_lse = mla_decode_ref(*args[:6], kv_scale if fp8 else 1.0, fp8_queries=fp8, fp8_probs=fp8_probs,
                                   flip_bound=bound)
