@@ -525,6 +525,11 @@ def mla_decode(
     num_tokens, num_heads, d_latent = q_nope.shape
     if out is None:
         out = q_nope.new_empty(num_tokens, num_heads, d_latent)
+    elif (out.shape != q_nope.shape or out.dtype != q_nope.dtype or out.stride(-1) != 1 or out.stride(0) % 4
+          or out.stride(1) % 4):  # the sm_90 kernels store four columns at once
+        raise ValueError(f"out must be {q_nope.dtype} [T, H, D_latent] = {list(q_nope.shape)} with a contiguous last "
+                         f"dimension and token and head strides that are multiples of 4, got {out.dtype} "
+                         f"{list(out.shape)} with strides {out.stride()}")
     if lse is None:
         lse = q_nope.new_empty(num_tokens, num_heads, dtype=torch.float32)
     if num_tokens == 0:

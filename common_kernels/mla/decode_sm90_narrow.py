@@ -24,7 +24,7 @@ wgmma's M and the query rows its N (one warpgroup, 4 warps):
   lower) after scaling by ``P_SCALE``, relative to a whole power-of-two shift (the column maximum
   rounded up), so that the rounding does not depend on which running or per-split maximum the
   shift came from (``reference.fp8_probs_weights``); ``V^T`` is loaded four latent bytes a word
-  with its rows reordered (``sm90_common._v_row_latent``) so that no bytes move between threads. Against the
+  with its rows reordered (``sm90_common._pv``) so that no bytes move between threads. Against the
   fp16 ``P V`` (H200, both orders): E4M3 1.00-1.16x faster at one query token and 1.07-1.20x at
   two, for about 1.4e-2 more relative error
   (``benchmarks/results/mla_decode-sm90-narrow-fp8pv-2026-12-03.md``); E5M2 1.00-1.17x and
@@ -98,6 +98,7 @@ from .sm90_common import (
     _pv,
     _start_ring,
     _start_ring_tma,
+    _store_layout,
     _store_out,
     _v_words,
     _wait_tile_tma,
@@ -362,15 +363,15 @@ def _store_result(m_i, l_i, acc0, acc1, acc2, acc3, kv_scale, out_ptr, lse_ptr, 
     lse = gl.where(has_keys, (m_i + gl.log2(safe_l)) * 0.6931471805599453, float("-inf"))  # ln 2
     out_scale = gl.convert_layout(kv_scale / (safe_l * P_SCALE if FP8_PV else safe_l), cols_o)[None, :]
 
-    row_o = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=cols_o)
-    out_rows = (q_start + row_o // NUM_HEADS)[None, :] * stride_out_t + (row_o % NUM_HEADS)[None, :] * stride_out_h
-    out_mask = (row_o < q_len * NUM_HEADS)[None, :]
+    row_o = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(0, _store_layout(BLOCK_R)))
+    out_rows = (q_start + row_o // NUM_HEADS) * stride_out_t + (row_o % NUM_HEADS) * stride_out_h
+    out_ok = row_o < q_len * NUM_HEADS
     if not DIRECT_OUT:
         out_rows += pid_s * stride_out_s
-    _store_out(acc0 * out_scale, 0, out_ptr + out_rows, out_mask, mma_o, FP8_PV)
-    _store_out(acc1 * out_scale, 1, out_ptr + out_rows, out_mask, mma_o, FP8_PV)
-    _store_out(acc2 * out_scale, 2, out_ptr + out_rows, out_mask, mma_o, FP8_PV)
-    _store_out(acc3 * out_scale, 3, out_ptr + out_rows, out_mask, mma_o, FP8_PV)
+    _store_out(acc0 * out_scale, 0, out_ptr, out_rows, out_ok, FP8_PV)
+    _store_out(acc1 * out_scale, 1, out_ptr, out_rows, out_ok, FP8_PV)
+    _store_out(acc2 * out_scale, 2, out_ptr, out_rows, out_ok, FP8_PV)
+    _store_out(acc3 * out_scale, 3, out_ptr, out_rows, out_ok, FP8_PV)
     row_s = pid_g * BLOCK_R + gl.arange(0, BLOCK_R, layout=cols_s)
     lse_ptrs = lse_ptr + (q_start + row_s // NUM_HEADS) * stride_lse_t + (row_s % NUM_HEADS) * stride_lse_h
     if not DIRECT_OUT:

@@ -495,9 +495,8 @@ def _warpgroup(state, WG: gl.constexpr, IS_FP8: gl.constexpr, FP8_PV: gl.constex
     out_ok = row_o < q_len * NUM_HEADS
     out_scale = kv_scale / (safe_l * p_scale)
     if FP8_PV:
-        _store_out(acc * out_scale[None, :], 2 * WG, out_ptr + out_rows[None, :], out_ok[None, :], mma_o, True)
-        _store_out(acc_hi * out_scale[None, :], 2 * WG + 1, out_ptr + out_rows[None, :], out_ok[None, :], mma_o,
-                   True)
+        _store_out(acc * out_scale[None, :], 2 * WG, out_ptr, out_rows, out_ok, True)
+        _store_out(acc_hi * out_scale[None, :], 2 * WG + 1, out_ptr, out_rows, out_ok, True)
     else:
         offs_co = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, mma_o))
         gl.store(out_ptr + out_rows[:, None] + offs_co[None, :],

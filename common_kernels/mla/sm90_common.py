@@ -237,8 +237,10 @@ def _pv(tile, c: gl.constexpr, p_op, acc, IS_FP8: gl.constexpr, FP8_PV: gl.const
         v_words: gl.constexpr):
     """Start ``acc += V^T P^T`` for latent chunk ``c`` (``V_CHUNK`` columns) of the cache ``tile``.
     16-bit tiles: ``V^T`` read transposed from shared memory by wgmma. fp8 tiles: ``V^T`` loaded
-    into registers, with ``FP8_PV`` four latent bytes a word (``v_words``), its rows reordered
-    (``_v_row_latent``) so that the words need no exchange between threads and used as they are,
+    into registers, with ``FP8_PV`` four latent bytes a word (``v_words``), its rows reordered so that
+    the words need no exchange between threads and are used as they are (the bits ``m0 ... m6`` of row
+    ``m``, low first, hold latent bits ``l2 l3 l4 l0 l5 l6 l1``: each thread's rows ``m``, ``m + 8``,
+    ``m + 64``, ``m + 72`` are four adjacent bytes of a key's row; ``O^T``'s rows come out in that order),
     else a byte a load and widened to fp16. Returns the accumulator and ``V^T``'s operand (alive
     until the wgmma is waited for)."""
     if FP8_PV:
@@ -255,20 +257,33 @@ def _pv(tile, c: gl.constexpr, p_op, acc, IS_FP8: gl.constexpr, FP8_PV: gl.const
         return warpgroup_mma(v_t, p_op, acc, is_async=True), v_t
 
 
-@gluon.jit
-def _v_row_latent(m):
-    """The latent column (within its chunk) of row ``m`` of an fp8 tile's ``V^T`` operand: bits
-    (low first) ``m0 m1 m2 m3 m4 m5 m6`` hold latent bits ``l2 l3 l4 l0 l5 l6 l1``, so that each
-    thread's four rows (``m``, ``m + 8``, ``m + 64``, ``m + 72``) are four adjacent bytes of a key's
-    row."""
-    return ((m >> 3) & 1) | (((m >> 6) & 1) << 1) | ((m & 7) << 2) | (((m >> 4) & 3) << 5)
+@gluon.constexpr_function
+def _store_layout(rows):
+    """A chunk of ``O^T`` (``[V_CHUNK latent, rows]``, 4 warps) as ``_store_out`` writes it: each thread four
+    adjacent latent columns of a row, a warp's lanes the chunk's 128 columns in order, the warps and registers
+    the rows."""
+    row_regs = [[0, 1 << bit] for bit in range(2, rows.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=[[1, 0], [2, 0]] + row_regs,
+                                      lane_bases=[[4, 0], [8, 0], [16, 0], [32, 0], [64, 0]],
+                                      warp_bases=[[0, 1], [0, 2]], block_bases=[], shape=[V_CHUNK, rows])
 
 
 @gluon.jit
-def _store_out(out, c: gl.constexpr, out_rows, out_mask, mma_o: gl.constexpr, FP8_PV: gl.constexpr):
-    """Chunk ``c`` of ``O^T`` to the output rows (``FP8_PV``: its rows in ``_v_row_latent``'s order)."""
-    offs_co = gl.arange(0, V_CHUNK, layout=gl.SliceLayout(1, mma_o))
-    if FP8_PV:
-        offs_co = _v_row_latent(offs_co)
-    offs_co += c * V_CHUNK
-    gl.store(out_rows + offs_co[:, None], out.to(out_rows.dtype.element_ty), mask=out_mask)
+def _store_out(out, c: gl.constexpr, out_ptr, out_rows, out_ok, FP8_PV: gl.constexpr):
+    """Chunk ``c`` of ``O^T`` (``[V_CHUNK, rows]``; ``FP8_PV``: its rows in ``_pv``'s order) to the
+    output rows at ``out_ptr + out_rows`` where ``out_ok``. Regrouped through shared memory first
+    (``_store_layout``): in the accumulator's layout a thread holds two rows' elements, so every element
+    would be a store of its own, one 32-byte sector each."""
+    rows: gl.constexpr = out.shape[1]
+    if FP8_PV:  # the rows back in latent order (a renaming of the registers): the row index's bits, most
+        # significant first, for latent bits l6 ... l0 (``_pv``'s order inverted), then the rows' axis
+        out = gl.reshape(gl.permute(gl.reshape(out, [2, 2, 2, 2, 2, 2, 2, rows]), [1, 2, 4, 5, 6, 0, 3, 7]),
+                         [V_CHUNK, rows])
+    store: gl.constexpr = _store_layout(rows)
+    out = gl.convert_layout(out.to(out_ptr.dtype.element_ty), store)
+    offs_co = c * V_CHUNK + gl.arange(0, V_CHUNK, layout=gl.SliceLayout(1, store))
+    # whole 16-byte groups of four: ``decode.mla_decode`` checks the output's strides (a partition's
+    # arguments carry no divisibility of their own)
+    rows_o = gl.multiple_of(gl.convert_layout(out_rows, gl.SliceLayout(0, store)), 4)[None, :]
+    ok = gl.convert_layout(out_ok, gl.SliceLayout(0, store))[None, :]
+    gl.store(out_ptr + rows_o + offs_co[:, None], out, mask=ok)

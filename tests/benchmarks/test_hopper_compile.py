@@ -105,7 +105,8 @@ def test_every_kernel_compiles_for_hopper():
     # ([4, 1] warps) with a whole 64-key score tile and half the output columns, under the launch's
     # register cap. 16-bit caches: O = P V, [64, 256] a warpgroup, no spills. fp8 caches: P V in fp8
     # (O^T = V^T P^T, V^T from registers in two chunks of 128 latent rows a warpgroup) under a cap of
-    # 248, without the widened V buffers, so with two pairs of tile buffers (194 KiB of shared memory); with
+    # 248, without the widened V buffers, so with two pairs of tile buffers (194 KiB of shared memory, and 8 KiB
+    # to regroup O^T for its stores, sm90_common._store_out); with
     # LATENTSPEED_MLA_DECODE_FP8_PV=0, V widened to fp16 and a few words of spills (36-44 B a thread)
     wide_layout, fp8_layout = ("warpsPerCTA = [4, 1], instrShape = [16, 256, 16]",
                                "warpsPerCTA = [4, 1], instrShape = [16, 64, 32]")
@@ -115,7 +116,7 @@ def test_every_kernel_compiles_for_hopper():
     for label in ("decode, 128 heads, e4m3", "decode, 128 heads, e4m3, extend prefix"):
         report = reports[label]
         assert report["registers"] <= 248 and report["spill_bytes"] <= 16, label
-        assert report["mma_layouts"] == [fp8_layout] and 180 * 1024 < report["shared_bytes"] <= 200 * 1024, label
+        assert report["mma_layouts"] == [fp8_layout] and 180 * 1024 < report["shared_bytes"] <= 202 * 1024, label
     widened, = hopper_compile("decode", "--heads", "128", "--cache", "e4m3", LATENTSPEED_MLA_DECODE_FP8_PV="0").values()
     assert widened["registers"] <= 240 and widened["spill_bytes"] <= 48
     assert set(widened["mma_layouts"]) == {fp8_layout, wide_layout}

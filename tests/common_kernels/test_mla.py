@@ -257,6 +257,10 @@ def test_decode_rejects_bad_input():
                    fresh_kv=torch.zeros(2, 80, device=dev, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"fresh_kv must be \[T, D_latent \+ D_rope\] = \[2, 80\]"):
         mla_decode(q_nope, q_pe, cache[..., :80].contiguous(), table, lens, 1.0, plan, fresh_kv=q_nope[:, 0])
+    rows = torch.empty(2, 16, 66, device=dev, dtype=torch.bfloat16)  # head stride 66: rows not in groups of four
+    for out in (rows[..., :64], torch.empty(2, 16, 64, device=dev), torch.empty(2, 16, 32, device=dev)):
+        with pytest.raises(ValueError, match=r"out must be torch.bfloat16 \[T, H, D_latent\] = \[2, 16, 64\]"):
+            mla_decode(q_nope, q_pe, cache[..., :80].contiguous(), table, lens, 1.0, plan, out=out)
 
 
 def test_plan_bounds_workspace(monkeypatch):
