@@ -359,7 +359,8 @@ def plan_decode(
     kernel: paired programs (one a multiprocessor) where their splits are long enough
     (``decode_sm90_narrow.pairs``), else two one-warpgroup programs, or one where two would leave
     splits shorter than ``MIN_TOKENS_PER_SHARED_SPLIT``. On its 64-row kernel: ``P V`` in fp8 only where
-    the splits are long or the launch spans more than one wave (``decode_sm90_seesaw.fp8_pv_pays``). ``cache_dtype``
+    the splits are long or the launch has programs for more than half the multiprocessors
+    (``decode_sm90_seesaw.fp8_pv_pays``). ``cache_dtype``
     (default bf16) sets the launch, hence the occupancy. ``num_splits`` overrides the heuristic
     (1 gives a deterministic, batch-invariant merge). ``sm90``: the launches will run on sm_90's
     Gluon kernels (pass ``sm90_kernels_apply(...)``); without it they run the Triton kernel.

@@ -114,11 +114,12 @@ _DEFAULT_WARPS = gl.constexpr(NUM_WARPS)
 HALF = gl.constexpr(D_LATENT // 2)  # output columns a warpgroup owns
 USE_FP8_PV = 1  # fp8 caches: P V in fp8, V^T from registers (module docstring)
 FP8_PV_RING_PAIRS = 2  # with it, two pairs of tile buffers (room without the widened V): copies a pair ahead
-# fp8 P V takes about 40 % less a tile than the widened fp16 P V but about 20 us more a one-wave launch: it is
-# planned where every split reads at least this many tokens or the launch spans more than one wave
-# (``fp8_pv_pays``; H100, E4M3, A/B: fp16 P V 1.05-1.71x faster at batches 1 and 8 up to 512 tokens a split,
-# fp8 P V 1.00-1.11x at 1024, 1.17-1.35x from 2048 and 1.12-1.39x at batch 128 from 512 tokens;
-# benchmarks/results/mla_decode-h128-fp8-pv-short-splits-h100-2026-12-07-s50.md).
+# fp8 P V is planned where every split reads at least this many tokens or the launch has programs for more than half
+# the multiprocessors (``fp8_pv_pays``). H100, E4M3, with the coalesced O^T stores, against the widened fp16 P V:
+# 1.01-1.15x faster at batch 8 (128 programs, 64-512 tokens a split), 0.93-0.99x at batch 1 (16-64 programs, 64-128
+# tokens a split); batches 2-4 were not measured, and why the count of programs matters was not found
+# (benchmarks/results/mla_decode-coalesced-stores-h100-2026-12-07-s51.md). From 1024 tokens a split fp8 P V was
+# faster even before those stores (benchmarks/results/mla_decode-h128-fp8-pv-short-splits-h100-2026-12-07-s50.md).
 MIN_TOKENS_PER_FP8_PV_SPLIT = 1024
 
 # Named barriers over both warpgroups (256 threads); Triton's own use ids 0, 1 and 2 + worker index.
@@ -142,7 +143,7 @@ def fp8_pv(cache_dtype: torch.dtype) -> bool:
 def fp8_pv_pays(tokens_per_split: int, programs: int, num_sms: int) -> bool:
     """Whether a plan of ``programs`` launches of this kernel, each split reading ``tokens_per_split``
     tokens, runs ``P V`` in fp8 where ``fp8_pv`` allows it (``MIN_TOKENS_PER_FP8_PV_SPLIT``)."""
-    return tokens_per_split >= MIN_TOKENS_PER_FP8_PV_SPLIT or programs > num_sms
+    return tokens_per_split >= MIN_TOKENS_PER_FP8_PV_SPLIT or 2 * programs > num_sms
 
 
 def launch_options(fp8_probs: bool) -> dict:

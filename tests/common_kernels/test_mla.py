@@ -313,10 +313,10 @@ def test_plan_bounds_workspace(monkeypatch):
         assert plan_decode(128, 16, 1, 500, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 1
 
 
-def test_fp8_pv_on_the_64_row_kernel_needs_long_splits_or_two_waves():
-    """The 64-row kernel's fp8 ``P V`` costs more a launch than the widened fp16 one: planned where
-    every split reads at least ``MIN_TOKENS_PER_FP8_PV_SPLIT`` tokens or the launch spans more than
-    one wave; the narrow kernel's is not affected."""
+def test_fp8_pv_on_the_64_row_kernel_needs_long_splits_or_half_a_wave():
+    """The 64-row kernel's fp8 ``P V`` is planned where every split reads at least
+    ``MIN_TOKENS_PER_FP8_PV_SPLIT`` tokens or the launch has programs for more than half the
+    multiprocessors; the narrow kernel's is not affected."""
     from common_kernels.mla.decode_sm90_seesaw import MIN_TOKENS_PER_FP8_PV_SPLIT
 
     assert MIN_TOKENS_PER_FP8_PV_SPLIT == 1024
@@ -324,16 +324,19 @@ def test_fp8_pv_on_the_64_row_kernel_needs_long_splits_or_two_waves():
         def plan(batch, heads, ctx, **kw):
             return plan_decode(batch, heads, 1, ctx, 132, cache_dtype=dtype, sm90=True, **kw)
 
-        for batch, ctx in ((1, 512), (1, 16384), (8, 4096), (64, 512)):  # 64, 512, 512, 512 tokens a split
+        # 16, 64, 32 and 64 programs of 64, 512, 64 and 64 tokens a split
+        for batch, ctx in ((1, 512), (1, 16384), (2, 512), (4, 512)):
             short = plan(batch, 128, ctx)
             assert not short.long_splits and not short.fp8_probs(dtype), (batch, ctx, short)
             assert plan(batch, 16, ctx).fp8_probs(dtype), (batch, ctx)
-        for batch, ctx in ((1, 32768), (8, 8192), (32, 2048)):  # 1024 tokens a split, one wave
+        for batch, ctx in ((2, 2048), (8, 512), (8, 4096), (64, 512)):  # 128 programs of 64-512 tokens a split
             assert plan(batch, 128, ctx).fp8_probs(dtype), (batch, ctx)
+        assert plan(1, 128, 32768).fp8_probs(dtype)  # 64 programs of 1024 tokens a split
         wide = plan(128, 128, 512)  # 256 programs of 512 tokens: two waves
         assert wide.num_splits == 1 and wide.fp8_probs(dtype)
-        assert plan(6, 128, 6000, num_splits=1).fp8_probs(dtype)  # direct: 6000 tokens
-        assert not plan(6, 128, 6000, num_splits=11).fp8_probs(dtype)  # 545 a split, 132 programs
+        assert plan(1, 128, 6000, num_splits=1).fp8_probs(dtype)  # direct: 6000 tokens
+        assert not plan(1, 128, 6000, num_splits=11).fp8_probs(dtype)  # 545 a split, 22 programs
+        assert plan(6, 128, 6000, num_splits=11).fp8_probs(dtype)  # 545 a split, 132 programs
 
 
 def test_sm90_kernel_routing():

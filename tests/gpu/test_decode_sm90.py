@@ -67,19 +67,33 @@ def test_matches_reference_and_triton(monkeypatch, cache_name, page, num_splits,
     """128 heads: 64-row groups; 16 heads: 16 and 32. fp8 caches: the reference rounds the
     queries as both kernels do (``fp8_queries``), and the softmax numerators as both kernels do
     (``fp8_probs``, in the cache's format); the Triton kernel runs the same plan, without the latter."""
+    _check_against_reference_and_triton(monkeypatch, cache_name, page, num_splits, q_len, num_heads, SEQ_LENS,
+                                        expect_fp8_probs=True)
+
+
+@pytest.mark.parametrize("cache_name", ["e4m3", "e5m2"])
+def test_64_row_kernel_widens_p_v_over_a_small_launch(monkeypatch, cache_name):
+    """128 heads, one request of 700 tokens: 11 splits of 63 tokens make 22 programs, where the
+    64-row kernel's plan widens ``V`` to fp16 (``decode_sm90_seesaw.fp8_pv_pays``)."""
+    _check_against_reference_and_triton(monkeypatch, cache_name, 64, None, 1, 128, (700,), expect_fp8_probs=False)
+
+
+def _check_against_reference_and_triton(monkeypatch, cache_name, page, num_splits, q_len, num_heads, seq_lens,
+                                        expect_fp8_probs):
+    """``expect_fp8_probs``: whether an fp8 cache's plan runs ``P V`` in fp8."""
     cache_dtype, q_dtype = CACHES[cache_name]
     fp8 = cache_dtype.itemsize == 1
     kv_scale = torch.tensor([0.02], device="cuda") if fp8 else None
-    q_nope, q_pe, cache, table, lens = _inputs(cache_dtype, page, q_dtype, 0.02 if fp8 else 1.0, num_heads, q_len)
+    q_nope, q_pe, cache, table, lens = _inputs(cache_dtype, page, q_dtype, 0.02 if fp8 else 1.0, num_heads, q_len,
+                                               seq_lens)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = plan_decode(len(SEQ_LENS), num_heads, q_len, max(SEQ_LENS), sms, num_splits=num_splits,
+    plan = plan_decode(len(seq_lens), num_heads, q_len, max(seq_lens), sms, num_splits=num_splits,
                        cache_dtype=cache_dtype, sm90=True)
     assert plan.fp8_queries(cache_dtype) == fp8
     args = (q_nope, q_pe, cache, table, lens, 192**-0.5, plan, kv_scale)
     out, lse = _decode(monkeypatch, True, *args)
     fp8_probs = plan.fp8_probs(cache_dtype)
-    # 128 heads, one token, planned: 11 splits of 545 tokens in one wave, where the 64-row kernel widens P V
-    assert fp8_probs == (fp8 and not (num_heads == 128 and q_len == 1 and num_splits is None))
+    assert fp8_probs == (fp8 and expect_fp8_probs), plan
     bound = fp8_flip_bound(q_nope, fp8_probs)
     ref, ref_lse = mla_decode_ref(*args[:6], kv_scale if fp8 else 1.0, fp8_queries=fp8, fp8_probs=fp8_probs,
                                   flip_bound=bound)
