@@ -116,12 +116,11 @@ USE_FP8_PV = 1  # fp8 caches: P V in fp8, V^T from registers (module docstring)
 FP8_PV_RING_PAIRS = 2  # with it, two pairs of tile buffers (room without the widened V): copies a pair ahead
 # fp8 P V is planned where every split reads at least MIN_TOKENS_PER_FP8_PV_SPLIT tokens or the launch has programs
 # for more than 1 / FP8_PV_WAVE_DIVISOR of the multiprocessors (``fp8_pv_pays``; a divisor of 0 drops that count).
-# H100, E4M3, with the coalesced O^T stores, against the widened fp16 P V: 1.01-1.15x faster at batch 8 (128
-# programs, 64-512 tokens a split), 0.93-0.99x at batch 1 (16-64 programs, 64-128 tokens a split); batches 2-4 were
-# not measured, and why the count of programs matters was not found
-# (benchmarks/results/mla_decode-coalesced-stores-h100-2026-12-07-s51.md). From 1024 tokens a split fp8 P V was
-# faster even before those stores (benchmarks/results/mla_decode-h128-fp8-pv-short-splits-h100-2026-12-07-s50.md).
-MIN_TOKENS_PER_FP8_PV_SPLIT = 1024
+# H100, E4M3, 128 heads, batches 1-16, against the widened fp16 P V: 0.90-0.99x at 16-64 programs and 64-128 tokens a
+# split, 1.02x at 64 programs of 256 tokens and 1.13-1.14x of 512; 0.99-1.04x at 128 programs and 64-128 tokens a split,
+# 1.04-1.52x from 256; why the count of programs matters was not found
+# (benchmarks/results/mla_decode-fp8-pv-rule-sweep-h100-2026-12-07-s53.md).
+MIN_TOKENS_PER_FP8_PV_SPLIT = 256
 FP8_PV_WAVE_DIVISOR = 2
 
 # Named barriers over both warpgroups (256 threads); Triton's own use ids 0, 1 and 2 + worker index.

@@ -320,24 +320,25 @@ def test_fp8_pv_on_the_64_row_kernel_needs_long_splits_or_half_a_wave(monkeypatc
     A divisor of 0 and an unreachable token count widen every launch (the A/B harness's base)."""
     from common_kernels.mla import decode_sm90_seesaw
 
-    assert decode_sm90_seesaw.MIN_TOKENS_PER_FP8_PV_SPLIT == 1024 and decode_sm90_seesaw.FP8_PV_WAVE_DIVISOR == 2
+    assert decode_sm90_seesaw.MIN_TOKENS_PER_FP8_PV_SPLIT == 256 and decode_sm90_seesaw.FP8_PV_WAVE_DIVISOR == 2
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         def plan(batch, heads, ctx, **kw):
             return plan_decode(batch, heads, 1, ctx, 132, cache_dtype=dtype, sm90=True, **kw)
 
-        # 16, 64, 32 and 64 programs of 64, 512, 64 and 64 tokens a split
-        for batch, ctx in ((1, 512), (1, 16384), (2, 512), (4, 512)):
+        # 16, 64, 32 and 64 programs of 64, 128, 64 and 64 tokens a split
+        for batch, ctx in ((1, 512), (1, 4096), (2, 512), (4, 512)):
             short = plan(batch, 128, ctx)
             assert not short.long_splits and not short.fp8_probs(dtype), (batch, ctx, short)
             assert plan(batch, 16, ctx).fp8_probs(dtype), (batch, ctx)
         for batch, ctx in ((2, 2048), (8, 512), (8, 4096), (64, 512)):  # 128 programs of 64-512 tokens a split
             assert plan(batch, 128, ctx).fp8_probs(dtype), (batch, ctx)
-        assert plan(1, 128, 32768).fp8_probs(dtype)  # 64 programs of 1024 tokens a split
+        assert plan(1, 128, 8192).fp8_probs(dtype)  # 64 programs of 256 tokens a split
         wide = plan(128, 128, 512)  # 256 programs of 512 tokens: two waves
         assert wide.num_splits == 1 and wide.fp8_probs(dtype)
         assert plan(1, 128, 6000, num_splits=1).fp8_probs(dtype)  # direct: 6000 tokens
-        assert not plan(1, 128, 6000, num_splits=11).fp8_probs(dtype)  # 545 a split, 22 programs
-        assert plan(6, 128, 6000, num_splits=11).fp8_probs(dtype)  # 545 a split, 132 programs
+        assert not plan(1, 128, 6000, num_splits=32).fp8_probs(dtype)  # 187 a split, 64 programs
+        assert plan(1, 128, 6000, num_splits=23).fp8_probs(dtype)  # 260 a split, 46 programs
+        assert plan(3, 128, 6000, num_splits=32).fp8_probs(dtype)  # 187 a split, 192 programs
     monkeypatch.setattr(decode_sm90_seesaw, "MIN_TOKENS_PER_FP8_PV_SPLIT", 1_000_000)
     monkeypatch.setattr(decode_sm90_seesaw, "FP8_PV_WAVE_DIVISOR", 0)
     for batch, ctx in ((8, 512), (128, 512), (1, 32768)):
