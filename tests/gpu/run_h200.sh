@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything latentspeed measures on the GPU host, in one go (see README, "GPU host").
-#   bash tests/gpu/run_h200.sh STEP...    steps: smoke clocks kernels ncu bench bench-small paired-check fp8pv-check tune-gemm tune-moe tune-tp8 tune-small untuned-ab fp8-bench fp8-bench-graph moe-bench moe-ws moe-gemms producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-ab e2e-decode-ab e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
+#   bash tests/gpu/run_h200.sh STEP...    steps: smoke clocks kernels ncu bench bench-small paired-check fp8pv-check fp8pv-rule tune-gemm tune-moe tune-tp8 tune-small untuned-ab fp8-bench fp8-bench-graph moe-bench moe-ws moe-gemms producers-bench vllm-guard e2e-bf16 e2e-fp8 e2e-w8 e2e-w8-ab e2e-decode-ab e2e-w8-fused e2e-w8-silu e2e-wide-floor e2e-wide (vLLM
 #                                         bundle on PYTHONPATH), fp8-bench-sglang moe-bench-sglang sglang-e2e-bf16 sglang-e2e-fp8 sglang-e2e-w8 sglang-e2e-w8-fused
 #                                         sglang-ct-e2e sglang-serve (SGLang bundle), wait-checkpoints (until $CHECKPOINTS/.complete),
 #                                         wait-engine (until a staging call has touched /tmp/gpu-site-*/.ready),
@@ -101,6 +101,15 @@ for step in "$@"; do
         --heads 128 --q-len 1 2 --cache e4m3 e5m2 --both-orders --out "$out/fp8pv-ab.jsonl" 2>&1 | tail -n 3
       python3 -m benchmarks.mla_decode_ab --base common_kernels/mla --base-set decode_sm90_seesaw.FP8_PV_RING_PAIRS=1 \
         --heads 128 --q-len 1 2 --cache e4m3 --both-orders --out "$out/fp8pv-ring-ab.jsonl" 2>&1 | tail -n 3 ;;
+    fp8pv-rule)  # the 64-row kernel's plan rule (decode_sm90_seesaw.fp8_pv_pays): fp8 P V everywhere against the
+      # widened fp16 P V everywhere, same kernels, batches 1-16 at 128 and 64 heads, both orders
+      # (results/mla_decode-fp8-pv-rule-sweep-h100-2026-12-07-s53.md; E5M2 and 64 heads were not swept there)
+      for heads in 128 64; do for batch in 1 2 4 8 16; do
+        python3 -m benchmarks.mla_decode_ab --base common_kernels/mla \
+          --ours-set decode_sm90_seesaw.MIN_TOKENS_PER_FP8_PV_SPLIT=0 --base-set decode_sm90_seesaw.USE_FP8_PV=0 \
+          --batch $batch --heads $heads --q-len 1 2 --ctx 512 1024 2048 4096 6144 8192 16384 --cache e4m3 e5m2 \
+          --both-orders --out "$out/fp8pv-rule-h${heads}-b${batch}.jsonl" 2>&1 | tail -n 2
+      done; done ;;
     tune-gemm)
       python3 -m benchmarks.tune_fp8_gemm --out "$out/gemm_configs.json" 2>"$out/tune-gemm.err" | tee "$out/tune-gemm.log" \
         && export LATENTSPEED_FP8_GEMM_CONFIGS=$(realpath "$out")/gemm_configs.json ;;
