@@ -114,14 +114,13 @@ _DEFAULT_WARPS = gl.constexpr(NUM_WARPS)
 HALF = gl.constexpr(D_LATENT // 2)  # output columns a warpgroup owns
 USE_FP8_PV = 1  # fp8 caches: P V in fp8, V^T from registers (module docstring)
 FP8_PV_RING_PAIRS = 2  # with it, two pairs of tile buffers (room without the widened V): copies a pair ahead
-# fp8 P V is planned where every split reads at least MIN_TOKENS_PER_FP8_PV_SPLIT tokens or the launch has programs
-# for more than 1 / FP8_PV_WAVE_DIVISOR of the multiprocessors (``fp8_pv_pays``; a divisor of 0 drops that count).
+# fp8 P V is planned where every split reads at least this many tokens or the launch has programs for more than half
+# the multiprocessors (``fp8_pv_pays``).
 # H100, E4M3, 128 heads, batches 1-16, against the widened fp16 P V: 0.90-0.99x at 16-64 programs and 64-128 tokens a
 # split, 1.02x at 64 programs of 256 tokens and 1.13-1.14x of 512; 0.99-1.04x at 128 programs and 64-128 tokens a split,
 # 1.04-1.52x from 256; why the count of programs matters was not found
 # (benchmarks/results/mla_decode-fp8-pv-rule-sweep-h100-2026-12-07-s53.md).
 MIN_TOKENS_PER_FP8_PV_SPLIT = 256
-FP8_PV_WAVE_DIVISOR = 2
 
 # Named barriers over both warpgroups (256 threads); Triton's own use ids 0, 1 and 2 + worker index.
 SYNC_SCALE0 = gl.constexpr("bar.sync 8, 256; mov.u32 $0, 0;")
@@ -143,9 +142,8 @@ def fp8_pv(cache_dtype: torch.dtype) -> bool:
 
 def fp8_pv_pays(tokens_per_split: int, programs: int, num_sms: int) -> bool:
     """Whether a plan of ``programs`` launches of this kernel, each split reading ``tokens_per_split``
-    tokens, runs ``P V`` in fp8 where ``fp8_pv`` allows it (``MIN_TOKENS_PER_FP8_PV_SPLIT``,
-    ``FP8_PV_WAVE_DIVISOR``)."""
-    return tokens_per_split >= MIN_TOKENS_PER_FP8_PV_SPLIT or FP8_PV_WAVE_DIVISOR * programs > num_sms
+    tokens, runs ``P V`` in fp8 where ``fp8_pv`` allows it (``MIN_TOKENS_PER_FP8_PV_SPLIT``)."""
+    return tokens_per_split >= MIN_TOKENS_PER_FP8_PV_SPLIT or 2 * programs > num_sms
 
 
 def launch_options(fp8_probs: bool) -> dict:

@@ -313,14 +313,13 @@ def test_plan_bounds_workspace(monkeypatch):
         assert plan_decode(128, 16, 1, 500, num_sms=132, cache_dtype=fp8, sm90=True).num_splits == 1
 
 
-def test_fp8_pv_on_the_64_row_kernel_needs_long_splits_or_half_a_wave(monkeypatch):
+def test_fp8_pv_on_the_64_row_kernel_needs_long_splits_or_half_a_wave():
     """The 64-row kernel's fp8 ``P V`` is planned where every split reads at least
-    ``MIN_TOKENS_PER_FP8_PV_SPLIT`` tokens or the launch has programs for more than
-    1 / ``FP8_PV_WAVE_DIVISOR`` (a half) of the multiprocessors; the narrow kernel's is not affected.
-    A divisor of 0 and an unreachable token count widen every launch (the A/B harness's base)."""
-    from common_kernels.mla import decode_sm90_seesaw
+    ``MIN_TOKENS_PER_FP8_PV_SPLIT`` tokens or the launch has programs for more than half the
+    multiprocessors; the narrow kernel's is not affected."""
+    from common_kernels.mla.decode_sm90_seesaw import MIN_TOKENS_PER_FP8_PV_SPLIT
 
-    assert decode_sm90_seesaw.MIN_TOKENS_PER_FP8_PV_SPLIT == 256 and decode_sm90_seesaw.FP8_PV_WAVE_DIVISOR == 2
+    assert MIN_TOKENS_PER_FP8_PV_SPLIT == 256
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         def plan(batch, heads, ctx, **kw):
             return plan_decode(batch, heads, 1, ctx, 132, cache_dtype=dtype, sm90=True, **kw)
@@ -339,11 +338,6 @@ def test_fp8_pv_on_the_64_row_kernel_needs_long_splits_or_half_a_wave(monkeypatc
         assert not plan(1, 128, 6000, num_splits=32).fp8_probs(dtype)  # 187 a split, 64 programs
         assert plan(1, 128, 6000, num_splits=23).fp8_probs(dtype)  # 260 a split, 46 programs
         assert plan(3, 128, 6000, num_splits=32).fp8_probs(dtype)  # 187 a split, 192 programs
-    monkeypatch.setattr(decode_sm90_seesaw, "MIN_TOKENS_PER_FP8_PV_SPLIT", 1_000_000)
-    monkeypatch.setattr(decode_sm90_seesaw, "FP8_PV_WAVE_DIVISOR", 0)
-    for batch, ctx in ((8, 512), (128, 512), (1, 32768)):
-        assert not plan_decode(batch, 128, 1, ctx, 132, cache_dtype=torch.float8_e4m3fn, sm90=True).fp8_probs(
-            torch.float8_e4m3fn), (batch, ctx)
 
 
 def test_sm90_kernel_routing():
