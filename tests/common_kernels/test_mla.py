@@ -319,7 +319,7 @@ def test_fp8_pv_on_the_64_row_kernel_needs_long_splits_or_half_a_wave():
     multiprocessors; the narrow kernel's is not affected."""
     from common_kernels.mla.decode_sm90_seesaw import MIN_TOKENS_PER_FP8_PV_SPLIT
 
-    assert MIN_TOKENS_PER_FP8_PV_SPLIT == 256
+    assert MIN_TOKENS_PER_FP8_PV_SPLIT == 192
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         def plan(batch, heads, ctx, **kw):
             return plan_decode(batch, heads, 1, ctx, 132, cache_dtype=dtype, sm90=True, **kw)
@@ -332,6 +332,7 @@ def test_fp8_pv_on_the_64_row_kernel_needs_long_splits_or_half_a_wave():
         for batch, ctx in ((2, 2048), (8, 512), (8, 4096), (64, 512)):  # 128 programs of 64-512 tokens a split
             assert plan(batch, 128, ctx).fp8_probs(dtype), (batch, ctx)
         assert plan(1, 128, 8192).fp8_probs(dtype)  # 64 programs of 256 tokens a split
+        assert plan(1, 128, 6144).fp8_probs(dtype)  # 64 programs of 192 tokens a split
         wide = plan(128, 128, 512)  # 256 programs of 512 tokens: two waves
         assert wide.num_splits == 1 and wide.fp8_probs(dtype)
         assert plan(1, 128, 6000, num_splits=1).fp8_probs(dtype)  # direct: 6000 tokens
