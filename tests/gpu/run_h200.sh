@@ -103,7 +103,7 @@ for step in "$@"; do
         --heads 128 --q-len 1 2 --cache e4m3 --both-orders --out "$out/fp8pv-ring-ab.jsonl" 2>&1 | tail -n 3 ;;
     fp8pv-rule)  # the 64-row kernel's plan rule (decode_sm90_seesaw.fp8_pv_pays): fp8 P V everywhere against the
       # widened fp16 P V everywhere, same kernels, batches 1-16 at 128 and 64 heads, both orders
-      # (results/mla_decode-fp8-pv-rule-sweep-h100-2026-12-07-s53.md; E5M2 and 64 heads were not swept there)
+      # (results/mla_decode-fp8-pv-rule-sweep-h100-2026-12-07-s53.md; E5M2 and 64 heads: ...-h200-2026-12-07-s54.md)
       for heads in 128 64; do for batch in 1 2 4 8 16; do
         python3 -m benchmarks.mla_decode_ab --base common_kernels/mla \
           --ours-set decode_sm90_seesaw.MIN_TOKENS_PER_FP8_PV_SPLIT=0 --base-set decode_sm90_seesaw.USE_FP8_PV=0 \
