@@ -74,7 +74,7 @@ def parse_settings(items: list[str]) -> dict[tuple[types.ModuleType, str], int]:
         target, _, value = item.partition("=")
         name, _, constant = target.partition(".")
         if name not in MODULES or not hasattr(MODULES[name][1], constant) or not value.lstrip("-").isdigit():
-            raise ValueError(f"--ours-set {item!r}: expected MODULE.NAME=INT with MODULE one of {sorted(MODULES)} "
+            raise ValueError(f"setting {item!r}: expected MODULE.NAME=INT with MODULE one of {sorted(MODULES)} "
                              "and NAME one of its constants")
         settings[(MODULES[name][1], constant)] = int(value)
     return settings

@@ -13,6 +13,10 @@ or a dense MLP's gate/up: ``silu:48128:2048``, ``silu:16384:9216``), ``norm:ROWS
 (``rms_norm_group_quant`` with a residual, with the guard's count when ``stats`` is given) and
 ``moe:SHAPE:TOKENS[:PROVIDER]`` (one call of ``benchmarks.fp8_moe``'s provider, ``latentspeed`` unless
 given, e.g. ``moe:deepseek_v3:1024:vLLM-Triton`` with vLLM on the path; every kernel of the call).
+
+``--set MODULE.NAME=INT`` changes a constant of the sm_90 decode modules while the cases are made and run
+(``benchmarks.mla_decode_ab``'s ``--ours-set``): the 64-row kernel's fp8 ``P V`` at batch 1, 512 tokens, where the
+plan widens ``V``, is ``--set decode_sm90_seesaw.MIN_TOKENS_PER_FP8_PV_SPLIT=0 -- decode:e4m3:128:1:512:1``.
 """
 
 import argparse
@@ -20,6 +24,7 @@ import argparse
 import torch
 
 from benchmarks.mla_decode import make_inputs, ours
+from benchmarks.mla_decode_ab import overridden, parse_settings
 from benchmarks.mla_decode_splits import DTYPES
 from common_kernels.fp8 import (
     block_scaled_gemm,
@@ -71,18 +76,21 @@ CASES = {"decode": decode_case, "gemm": gemm_case, "silu": silu_case, "norm": no
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("cases", nargs="+", help="KIND:ARG:... (see above)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="MODULE.NAME=INT",
+                        help="a decode module's constant for every case (see above)")
     args = parser.parse_args()
-    for case in args.cases:
-        kind, *params = case.split(":")
-        fn = CASES[kind](*params)
-        fn()
-        fn()
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStart()
-        fn()
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStop()
-        print(f"profiled {case}", flush=True)
+    with overridden(parse_settings(args.set)):
+        for case in args.cases:
+            kind, *params = case.split(":")
+            fn = CASES[kind](*params)
+            fn()
+            fn()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            fn()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            print(f"profiled {case}", flush=True)
 
 
 if __name__ == "__main__":

@@ -42,11 +42,12 @@ for step in "$@"; do
     kernels)
       python3 -m pytest -q -x tests/gpu -p no:warnings --durations=5 2>&1 | tail -n 30 | tee "$out/kernels.log" ;;
     ncu)  # Nsight Compute over the decode and GEMM kernels (no engine needed): per-kernel details, raw
-      # metrics and per-SASS-instruction stall samples, packed into ncu.tgz (NCU_CASES overrides the cases)
+      # metrics and per-SASS-instruction stall samples, packed into ncu.tgz (NCU_CASES overrides the cases,
+      # NCU_SET sets decode constants for them: ncu_cases --set)
       cases=${NCU_CASES:-decode:e4m3:16:1:32768 decode:bf16:16:1:32768 decode:e4m3:16:2:32768 decode:e4m3:128:1:4096 decode:bf16:128:1:4096 gemm:4096:7168:2048}
       ncu --profile-from-start off --clock-control none --set full --import-source no \
         -k 'regex:mla_decode_split_kernel|gemm_kernel|gemm_sm90|silu_mul_group_quant' -f -o /tmp/ncu-prof \
-        python3 -m benchmarks.ncu_cases $cases 2>&1 | tail -n 20 | tee "$out/ncu.log"
+        python3 -m benchmarks.ncu_cases $cases ${NCU_SET:+--set $NCU_SET} 2>&1 | tail -n 20 | tee "$out/ncu.log"
       mkdir -p /tmp/ncu-out/src && echo "$cases" > /tmp/ncu-out/cases.txt
       ncu --import /tmp/ncu-prof.ncu-rep --page details > /tmp/ncu-out/details.txt 2>&1
       ncu --import /tmp/ncu-prof.ncu-rep --page raw --csv > /tmp/ncu-out/raw.csv 2>&1
