@@ -119,8 +119,8 @@ FP8_PV_RING_PAIRS = 2  # with it, two pairs of tile buffers (room without the wi
 # H100, E4M3, 128 heads, batches 1-16, against the widened fp16 P V: 0.90-0.99x at 16-64 programs and 64-128 tokens a
 # split, 1.02x at 64 programs of 256 tokens and 1.13-1.14x of 512; 0.99-1.04x at 128 programs and 64-128 tokens a split,
 # 1.04-1.52x from 256 (benchmarks/results/mla_decode-fp8-pv-rule-sweep-h100-2026-12-07-s53.md). H200, 64 heads (E4M3,
-# E5M2) and 128 heads (E5M2), at most 64 programs: 0.96-0.98x at 128 tokens a split, 1.00-1.02x at 192, 1.01-1.17x from 256
-# (mla_decode-fp8-pv-rule-sweep-h200-2026-12-07-s54.md). Not the ring's depth: one pair loses there as well.
+# E5M2) and 128 heads (E5M2), at most 64 programs: 0.96-0.98x at 128 tokens a split, 1.00-1.02x at 192, 1.01-1.17x
+# from 256 (mla_decode-fp8-pv-rule-sweep-h200-2026-12-07-s54.md). Not the ring's depth: one pair loses there as well.
 MIN_TOKENS_PER_FP8_PV_SPLIT = 192
 
 # Named barriers over both warpgroups (256 threads); Triton's own use ids 0, 1 and 2 + worker index.
