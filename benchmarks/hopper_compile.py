@@ -3,6 +3,8 @@ ptxas (no GPU, no driver) and report registers, spills, wgmma instructions, pipe
 copies and the MMA layouts Triton chose.
 
     python -m benchmarks.hopper_compile decode --heads 128 --cache bf16
+    python -m benchmarks.hopper_compile decode --heads 128 --cache e4m3 --sass \
+        --set decode_sm90_seesaw.FP8_PV_RING_PAIRS=1   # a launch variant, with its SASS instruction mix
     python -m benchmarks.hopper_compile gemm --block 64 128 --warps 4 --stages 4
     python -m benchmarks.hopper_compile prefill     # every block config the prefill kernel may launch with
     python -m benchmarks.hopper_compile all        # every kernel of common_kernels
@@ -14,6 +16,7 @@ real launch does not have (``benchmarks/notes.md``, 2026-12-01).
 """
 
 import argparse
+import collections
 import dataclasses
 import inspect
 import json
@@ -21,6 +24,8 @@ import os
 import re
 import subprocess
 import tempfile
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
@@ -29,6 +34,8 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 from triton.runtime.jit import mangle_type
+
+from benchmarks.mla_decode_ab import overridden, parse_settings
 
 HOPPER = GPUTarget("cuda", 90, 128)
 HOPPER_SHARED_MEMORY = 227 * 1024  # bytes a block may opt into on sm_90
@@ -50,20 +57,25 @@ class HopperReport:
     # (``bar.sync ID, 128``) in its code before its first barrier shared with the other partition
     # (``partition_barrier_ids``); empty for other kernels
     partition_barrier_ids: tuple[tuple[int, ...], ...] = ()
+    # with ``sass``: the SASS instructions of the cubin by opcode (nvdisasm), most frequent first; static counts,
+    # each instruction once wherever it sits (a loop's body counts once)
+    sass_opcodes: tuple[tuple[str, int], ...] = ()
 
     def line(self) -> str:
         return (f"registers {self.registers}, spills {self.spill_bytes} B, shared {self.shared_bytes // 1024} KiB, "
                 f"wgmma {self.wgmma}"
                 f"{' (serialized by ptxas)' if self.wgmma_serialized else ''}, "
                 f"async copies {self.async_copies}, TMA copies {self.tma_copies}, "
-                f"mma layouts {'; '.join(self.mma_layouts) or 'none'}")
+                f"mma layouts {'; '.join(self.mma_layouts) or 'none'}"
+                + (f", SASS {sum(n for _, n in self.sass_opcodes)} instructions: "
+                   + " ".join(f"{op} {n}" for op, n in self.sass_opcodes[:16]) if self.sass_opcodes else ""))
 
 
 def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int, num_stages: int,
                        floats: tuple = (), unaligned: tuple = (), maxnreg: int | None = None,
-                       typed: dict | None = None) -> HopperReport:
+                       typed: dict | None = None, sass: bool = False) -> HopperReport:
     """Compile ``kernel`` (a ``@triton.jit`` or ``@gluon.jit`` function) for sm_90a, with at most
-    ``maxnreg`` registers a thread if given.
+    ``maxnreg`` registers a thread if given (``sass``: with the SASS opcode counts).
 
     ``pointers`` maps pointer arguments to their element dtype, ``floats`` names fp32 scalars; every
     other argument is an i32, 16-byte divisible unless named in ``unaligned``; ``typed`` gives the
@@ -107,7 +119,20 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int,
     return HopperReport(registers, spills, ptx.count("wgmma.mma_async"), ttgir.count("async_copy_global_to_local"),
                         ttgir.count("async_tma_copy_global_to_local"), layouts,
                         "wgmma.mma_async instructions are serialized" in verbose, compiled.metadata.shared,
-                        partition_barrier_ids(ptx))
+                        partition_barrier_ids(ptx), sass_opcodes(compiled.asm["cubin"]) if sass else ())
+
+
+def sass_opcodes(cubin: bytes) -> tuple[tuple[str, int], ...]:
+    """The cubin's SASS instructions counted by opcode (``QGMMA``, ``LDS``, ...; modifiers and predicates dropped),
+    most frequent first, from the nvdisasm that Triton bundles beside its ptxas."""
+    nvdisasm = Path(get_ptxas(90).path).with_name("nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as binary:
+        binary.write(cubin)
+        binary.flush()
+        listing = subprocess.run([str(nvdisasm), "-c", binary.name], capture_output=True, text=True,
+                                 check=True).stdout
+    opcodes = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", listing, flags=re.M)
+    return tuple(collections.Counter(opcodes).most_common())
 
 
 def partition_barrier_ids(ptx: str) -> tuple[tuple[int, ...], ...]:
@@ -126,9 +151,10 @@ def partition_barrier_ids(ptx: str) -> tuple[tuple[int, ...], ...]:
 
 
 def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 64, varlen: bool = False,
-                  prefix_only: bool = False, keys_dense: bool = False) -> HopperReport:
+                  prefix_only: bool = False, keys_dense: bool = False, sass: bool = False) -> HopperReport:
     """The MLA decode split kernel as ``mla_decode`` launches it for this shape on sm_90: a Gluon
-    kernel (``decode_sm90_seesaw``, ``decode_sm90_narrow``) where one fits, else the Triton kernel."""
+    kernel (``decode_sm90_seesaw``, ``decode_sm90_narrow``) where one fits, else the Triton kernel
+    (``sass``: with the SASS opcode counts)."""
     from common_kernels.fp8_format import FP8_DTYPES
     from common_kernels.mla import decode, decode_sm90_seesaw
 
@@ -159,7 +185,7 @@ def decode_report(heads: int, q_len: int, cache_dtype: torch.dtype, page: int = 
     return compile_for_hopper(kernel, pointers, constexprs, num_warps, num_stages,
                               floats=("qk_scale_log2",),
                               unaligned=("uniform_q_len", "stride_out_s", "stride_lse_t", "stride_lse_h"),
-                              maxnreg=maxnreg, typed=typed)
+                              maxnreg=maxnreg, typed=typed, sass=sass)
 
 
 def gemm_report(block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None = None,
@@ -358,6 +384,9 @@ def main(argv=None):
     decode.add_argument("--cache", nargs="+", default=["bf16", "e4m3"], choices=["bf16", "e4m3", "e5m2"])
     decode.add_argument("--extend", action="store_true",
                         help="also the two launches of an extend with fresh_kv (prefix from the cache, own rows dense)")
+    decode.add_argument("--set", nargs="+", default=[], metavar="MODULE.NAME=INT",
+                        help="a decode module's constant for the plan and the compile (mla_decode_ab's --ours-set)")
+    decode.add_argument("--sass", action="store_true", help="with the SASS instructions counted by opcode")
     kernels.add_parser("all", help="every kernel at a DeepSeek-V3 launch")
     kernels.add_parser("prefill", help="the prefill kernel in each block config it may launch with")
     gemm = kernels.add_parser("gemm")
@@ -372,15 +401,16 @@ def main(argv=None):
     reports = {}
     if args.kernel == "decode":
         dtypes = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-        for heads in args.heads:
-            for cache in args.cache:
-                label = f"decode, {heads} heads, q_len {args.q_len}, {cache}"
-                reports[label] = decode_report(heads, args.q_len, dtypes[cache])
-                if args.extend:
-                    reports[f"{label}, extend prefix"] = decode_report(heads, args.q_len, dtypes[cache], varlen=True,
-                                                                       prefix_only=True)
-                    reports[f"{label}, extend own rows"] = decode_report(heads, args.q_len, dtypes[cache], varlen=True,
-                                                                         keys_dense=True)
+        with overridden(parse_settings(args.set)):
+            for heads in args.heads:
+                for cache in args.cache:
+                    label = f"decode, {heads} heads, q_len {args.q_len}, {cache}"
+                    reports[label] = decode_report(heads, args.q_len, dtypes[cache], sass=args.sass)
+                    if args.extend:
+                        reports[f"{label}, extend prefix"] = decode_report(
+                            heads, args.q_len, dtypes[cache], varlen=True, prefix_only=True, sass=args.sass)
+                        reports[f"{label}, extend own rows"] = decode_report(
+                            heads, args.q_len, dtypes[cache], varlen=True, keys_dense=True, sass=args.sass)
     elif args.kernel == "all":
         reports = every_kernel_report()
     elif args.kernel == "prefill":

@@ -139,6 +139,26 @@ def test_gemm_register_cap_reaches_ptxas():
     assert capped["spill_bytes"] <= 32 and 3 * capped["shared_bytes"] <= 227 * 1024
 
 
+def test_decode_settings_and_sass_reach_the_compile():
+    """``decode --set`` compiles the launch variant that constant makes (one pair of tile buffers instead of the two
+    that take 180-202 KiB above), and ``--sass`` counts its instructions: every wgmma an fp8 one (QGMMA), as many
+    as the PTX's."""
+    one_pair, = hopper_compile("decode", "--heads", "128", "--cache", "e4m3", "--sass",
+                               "--set", "decode_sm90_seesaw.FP8_PV_RING_PAIRS=1").values()
+    opcodes = dict(one_pair["sass_opcodes"])
+    assert 100 * 1024 < one_pair["shared_bytes"] < 150 * 1024
+    assert opcodes["QGMMA"] == one_pair["wgmma"] > 0 and "HGMMA" not in opcodes
+    assert list(opcodes.values()) == sorted(opcodes.values(), reverse=True) and opcodes["EXIT"] >= 1
+
+
+def test_decode_settings_are_checked_before_compiling(monkeypatch):
+    from benchmarks import hopper_compile as module
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="MODULE.NAME=INT"):
+        module.main(["decode", "--set", "decode_sm90_seesaw.NO_SUCH=1"])
+
+
 def test_refuses_the_interpreter():
     done = subprocess.run([sys.executable, "-m", "benchmarks.hopper_compile", "gemm"], cwd=REPO,
                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
