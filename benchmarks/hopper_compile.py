@@ -122,16 +122,25 @@ def compile_for_hopper(kernel, pointers: dict, constexprs: dict, num_warps: int,
                         partition_barrier_ids(ptx), sass_opcodes(compiled.asm["cubin"]) if sass else ())
 
 
+SIZED_ACCESSES = ("LDG", "STG", "LDS", "STS", "LD", "ST")  # loads and stores: their size is part of the opcode
+ACCESS_SIZES = ("U8", "S8", "U16", "S16", "64", "128")  # 32 bits when none is given
+
+
 def sass_opcodes(cubin: bytes) -> tuple[tuple[str, int], ...]:
-    """The cubin's SASS instructions counted by opcode (``QGMMA``, ``LDS``, ...; modifiers and predicates dropped),
-    most frequent first, from the nvdisasm that Triton bundles beside its ptxas."""
+    """The cubin's SASS instructions counted by opcode (``QGMMA``, ``LDS``, ...; predicates and modifiers dropped,
+    except a load's or store's size other than 32 bits: ``STG.128``, ``LDS.U8``), most frequent first, from the
+    nvdisasm that Triton bundles beside its ptxas."""
     nvdisasm = Path(get_ptxas(90).path).with_name("nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as binary:
         binary.write(cubin)
         binary.flush()
         listing = subprocess.run([str(nvdisasm), "-c", binary.name], capture_output=True, text=True,
                                  check=True).stdout
-    opcodes = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", listing, flags=re.M)
+    opcodes = []
+    for mnemonic in re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", listing, flags=re.M):
+        opcode, *modifiers = mnemonic.split(".")
+        sizes = [m for m in modifiers if m in ACCESS_SIZES] if opcode in SIZED_ACCESSES else []
+        opcodes.append(".".join([opcode, *sizes]))
     return tuple(collections.Counter(opcodes).most_common())
 
 

@@ -142,12 +142,14 @@ def test_gemm_register_cap_reaches_ptxas():
 def test_decode_settings_and_sass_reach_the_compile():
     """``decode --set`` compiles the launch variant that constant makes (one pair of tile buffers instead of the two
     that take 180-202 KiB above), and ``--sass`` counts its instructions: every wgmma an fp8 one (QGMMA), as many
-    as the PTX's."""
+    as the PTX's; ``O^T`` regrouped for 16-byte stores (``sm90_common._store_out``: a thread's 256 bytes of a
+    128-column chunk as 16 stores, two chunks a warpgroup, two warpgroups), beside a few 32-bit ones (the lse)."""
     one_pair, = hopper_compile("decode", "--heads", "128", "--cache", "e4m3", "--sass",
                                "--set", "decode_sm90_seesaw.FP8_PV_RING_PAIRS=1").values()
     opcodes = dict(one_pair["sass_opcodes"])
     assert 100 * 1024 < one_pair["shared_bytes"] < 150 * 1024
     assert opcodes["QGMMA"] == one_pair["wgmma"] > 0 and "HGMMA" not in opcodes
+    assert opcodes["STG.128"] == 64 and opcodes["STG"] <= 4
     assert list(opcodes.values()) == sorted(opcodes.values(), reverse=True) and opcodes["EXIT"] >= 1
 
 
