@@ -46,7 +46,8 @@ for step in "$@"; do
       # NCU_SET sets decode constants for them: ncu_cases --set; NCU_CACHE_CONTROL=none keeps caches, the
       # instruction cache included, warm between the replay passes, as back-to-back launches find them)
       cases=${NCU_CASES:-decode:e4m3:16:1:32768 decode:bf16:16:1:32768 decode:e4m3:16:2:32768 decode:e4m3:128:1:4096 decode:bf16:128:1:4096 gemm:4096:7168:2048}
-      ncu --profile-from-start off --clock-control none --cache-control ${NCU_CACHE_CONTROL:-all} --set full --import-source no \
+      ncu --profile-from-start off --clock-control none --cache-control ${NCU_CACHE_CONTROL:-all} \
+        --set full --import-source no \
         -k 'regex:mla_decode_split_kernel|gemm_kernel|gemm_sm90|silu_mul_group_quant' -f -o /tmp/ncu-prof \
         python3 -m benchmarks.ncu_cases $cases ${NCU_SET:+--set $NCU_SET} 2>&1 | tail -n 20 | tee "$out/ncu.log"
       mkdir -p /tmp/ncu-out/src && echo "$cases" > /tmp/ncu-out/cases.txt
