@@ -121,7 +121,9 @@ FP8_PV_RING_PAIRS = 2  # with it, two pairs of tile buffers (room without the wi
 # 1.04-1.52x from 256 (benchmarks/results/mla_decode-fp8-pv-rule-sweep-h100-2026-12-07-s53.md). H200, 64 heads (E4M3,
 # E5M2) and 128 heads (E5M2), at most 64 programs: 0.96-0.98x at 128 tokens a split, 1.00-1.02x at 192, 1.01-1.17x
 # from 256 (mla_decode-fp8-pv-rule-sweep-h200-2026-12-07-s54.md). Not the ring's depth: one pair loses there as well.
-MIN_TOKENS_PER_FP8_PV_SPLIT = 192
+# H100, 64 and 128 heads, both fp8 caches, 32-64 programs: 0.98-1.01x at 136-144 tokens a split, 1.00-1.02x at
+# 160-188 (mla_decode-fp8-pv-ncu-and-rule-h100-2026-12-07-s56.md).
+MIN_TOKENS_PER_FP8_PV_SPLIT = 160
 
 # Named barriers over both warpgroups (256 threads); Triton's own use ids 0, 1 and 2 + worker index.
 SYNC_SCALE0 = gl.constexpr("bar.sync 8, 256; mov.u32 $0, 0;")

@@ -319,7 +319,7 @@ def test_fp8_pv_on_the_64_row_kernel_needs_long_splits_or_half_a_wave():
     multiprocessors; the narrow kernel's is not affected."""
     from common_kernels.mla.decode_sm90_seesaw import MIN_TOKENS_PER_FP8_PV_SPLIT
 
-    assert MIN_TOKENS_PER_FP8_PV_SPLIT == 192
+    assert MIN_TOKENS_PER_FP8_PV_SPLIT == 160
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         def plan(batch, heads, ctx, **kw):
             return plan_decode(batch, heads, 1, ctx, 132, cache_dtype=dtype, sm90=True, **kw)
@@ -333,12 +333,14 @@ def test_fp8_pv_on_the_64_row_kernel_needs_long_splits_or_half_a_wave():
             assert plan(batch, 128, ctx).fp8_probs(dtype), (batch, ctx)
         assert plan(1, 128, 8192).fp8_probs(dtype)  # 64 programs of 256 tokens a split
         assert plan(1, 128, 6144).fp8_probs(dtype)  # 64 programs of 192 tokens a split
+        assert plan(1, 128, 5120).fp8_probs(dtype)  # 64 programs of 160 tokens a split
+        assert not plan(1, 128, 4608).fp8_probs(dtype)  # 64 programs of 144 tokens a split
         wide = plan(128, 128, 512)  # 256 programs of 512 tokens: two waves
         assert wide.num_splits == 1 and wide.fp8_probs(dtype)
         assert plan(1, 128, 6000, num_splits=1).fp8_probs(dtype)  # direct: 6000 tokens
-        assert not plan(1, 128, 6000, num_splits=32).fp8_probs(dtype)  # 187 a split, 64 programs
-        assert plan(1, 128, 6000, num_splits=23).fp8_probs(dtype)  # 260 a split, 46 programs
-        assert plan(3, 128, 6000, num_splits=32).fp8_probs(dtype)  # 187 a split, 192 programs
+        assert not plan(1, 128, 5000, num_splits=32).fp8_probs(dtype)  # 156 a split, 64 programs
+        assert plan(1, 128, 5000, num_splits=31).fp8_probs(dtype)  # 161 a split, 62 programs
+        assert plan(3, 128, 5000, num_splits=32).fp8_probs(dtype)  # 156 a split, 192 programs
 
 
 def test_sm90_kernel_routing():
