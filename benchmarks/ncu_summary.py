@@ -1,7 +1,8 @@
 """Summarize an Nsight Compute run of ``benchmarks.ncu_cases`` (the folder ``run_h200.sh ncu``
 packs: ``cases.txt``, ``raw.csv`` from ``--page raw --csv``, ``src/src_N.csv`` from ``--page source
---print-source sass --csv``): per kernel its time, DRAM read rate, shared-memory and issue use,
-the share of each stall reason among the warp samples, and the instructions with the most samples.
+--print-source sass --csv``): per kernel its time, DRAM read rate, shared-memory and issue use, the
+warp instructions it executed (in all and a program), each main stall reason's warp samples (as counts,
+to compare two builds, and as shares) and the instructions with the most samples.
 
     python3 -m benchmarks.ncu_summary ncu-out/ --out ncu-summary.json
 """
@@ -24,6 +25,7 @@ METRICS = {
     "issue_active_pct": ("smsp__issue_active.avg.pct_of_peak_sustained_active", None),
     "registers": ("launch__registers_per_thread", None),
     "grid": ("launch__grid_size", None),
+    "warp_instructions": ("smsp__inst_executed.sum", None),
 }
 STALL_PREFIX = "smsp__pcsamp_warps_issue_stalled_"
 SAMPLES = "Warp Stall Sampling (All Samples)"
@@ -58,9 +60,11 @@ def kernel_rows(raw_csv: Path) -> list[dict]:
         stalls = {name[len(STALL_PREFIX):]: _number(values[i]) for name, i in column.items()
                   if name.startswith(STALL_PREFIX) and not name.endswith("_not_issued")}
         total = sum(stalls.values()) or 1.0
-        row["stall_sample_share"] = {name: round(count / total, 3)
-                                     for name, count in sorted(stalls.items(), key=lambda item: -item[1])
-                                     if count / total >= 0.02}
+        main = [(name, count) for name, count in sorted(stalls.items(), key=lambda item: -item[1])
+                if count / total >= 0.02]
+        row["instructions_per_program"] = round(row["warp_instructions"] / row["grid"], 1)
+        row["stall_sample_share"] = {name: round(count / total, 3) for name, count in main}
+        row["stall_samples"] = {name: int(count) for name, count in main}
         out.append(row)
     return out
 

@@ -20,7 +20,7 @@ def make_run(folder, cases, kernels, time_unit="ms", rate_unit="Tbyte/s"):
     folder.mkdir()
     (folder / "cases.txt").write_text(" ".join(cases))
     units = ["", "", time_unit, rate_unit, *[""] * (len(RAW_HEADER) - 4)]
-    data = [[str(i), name, "0.5", "3.25", "70", "60", "50", "36", "255", "1,024", "800", "700", "150", "1"]
+    data = [[str(i), name, "0.5", "3.25", "70", "60", "50", "36", "255", "1,024", "2,048,000", "800", "700", "150", "1"]
             for i, name in enumerate(kernels)]
     write_csv(folder / "raw.csv", [RAW_HEADER, units, *data])
     (folder / "src").mkdir()
@@ -38,6 +38,8 @@ def test_summary_reads_metrics_stalls_and_hottest_instructions(tmp_path):
     assert first["duration_us"] == 500.0 and first["dram_read_TBps"] == 3.25 and first["grid"] == 1024.0
     # wait 800 and barrier 150 of 951 samples (not-issued counts are a subset, left out); misc < 2 %
     assert first["stall_sample_share"] == {"wait": round(800 / 951, 3), "barrier": round(150 / 951, 3)}
+    assert first["stall_samples"] == {"wait": 800, "barrier": 150}
+    assert first["warp_instructions"] == 2048000 and first["instructions_per_program"] == 2000.0
     assert [h["sass"] for h in first["hottest_sass"]] == ["BAR.SYNC 0x0", "LDS R1, [R2]", "NOP"]
     assert first["hottest_sass"][0] == {"index": 1, "sass": "BAR.SYNC 0x0", "samples": 1200,
                                         "stalls": {"barrier": 1000, "wait": 200}}
