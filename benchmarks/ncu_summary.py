@@ -2,7 +2,8 @@
 packs: ``cases.txt``, ``raw.csv`` from ``--page raw --csv``, ``src/src_N.csv`` from ``--page source
 --print-source sass --csv``): per kernel its time, DRAM read rate, shared-memory and issue use, the
 warp instructions it executed (in all and a program), each main stall reason's warp samples (as counts,
-to compare two builds, and as shares) and the instructions with the most samples.
+to compare two builds, and as shares), the instructions with the most samples and how often its
+instructions ran a program.
 
     python3 -m benchmarks.ncu_summary ncu-out/ --out ncu-summary.json
 """
@@ -10,6 +11,7 @@ to compare two builds, and as shares) and the instructions with the most samples
 import argparse
 import csv
 import json
+from collections import Counter
 from pathlib import Path
 
 # ncu picks each value's unit (the units row): a kernel of 82 us is reported in us, one of 612 us in ms
@@ -29,6 +31,7 @@ METRICS = {
 }
 STALL_PREFIX = "smsp__pcsamp_warps_issue_stalled_"
 SAMPLES = "Warp Stall Sampling (All Samples)"
+EXECUTED = "Instructions Executed"
 
 
 def _number(text: str) -> float:
@@ -88,6 +91,17 @@ def hottest_instructions(source_csv: Path, count: int = 10) -> list[dict]:
     return out
 
 
+def executions_a_program(source_csv: Path, programs: float, count: int = 5) -> dict[str, int]:
+    """How many SASS instructions ran how many times a program (warp executions over the grid), the
+    ``count`` commonest: straight-line code shows as nearly every instruction at one warpgroup's four
+    warps, a loop body as multiples of it."""
+    rows = list(csv.reader(source_csv.open()))
+    header, data = rows[1], rows[2:]
+    executed = header.index(EXECUTED)
+    tally = Counter(f"{_number(values[executed] or '0') / programs:g}" for values in data)
+    return dict(tally.most_common(count))
+
+
 def summarize(folder: Path) -> list[dict]:
     cases = (folder / "cases.txt").read_text().split()
     kernels = kernel_rows(folder / "raw.csv")
@@ -96,8 +110,10 @@ def summarize(folder: Path) -> list[dict]:
     summary = []
     for n, (case, row) in enumerate(zip(cases, kernels)):
         source = folder / "src" / f"src_{n}.csv"
-        summary.append({"case": case, **row,
-                        **({"hottest_sass": hottest_instructions(source)} if source.is_file() else {})})
+        if source.is_file():
+            row |= {"hottest_sass": hottest_instructions(source),
+                    "executions_a_program": executions_a_program(source, row["grid"])}
+        summary.append({"case": case, **row})
     return summary
 
 

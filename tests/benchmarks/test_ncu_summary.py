@@ -24,11 +24,12 @@ def make_run(folder, cases, kernels, time_unit="ms", rate_unit="Tbyte/s"):
             for i, name in enumerate(kernels)]
     write_csv(folder / "raw.csv", [RAW_HEADER, units, *data])
     (folder / "src").mkdir()
-    header = ["Address", "Source", ncu_summary.SAMPLES, "stall_wait", "stall_barrier", "stall_wait (Not Issued)"]
+    header = ["Address", "Source", ncu_summary.SAMPLES, "stall_wait", "stall_barrier", "stall_wait (Not Issued)",
+              ncu_summary.EXECUTED]
     write_csv(folder / "src" / "src_0.csv", [["Kernel Name", kernels[0]], header,
-                                             ["0x0", "  LDS R1, [R2]", "5", "5", "0", "4"],
-                                             ["0x10", "  BAR.SYNC 0x0", "1,200", "200", "1,000", "150"],
-                                             ["0x20", "  NOP", "0", "0", "0", "0"]])
+                                             ["0x0", "  LDS R1, [R2]", "5", "5", "0", "4", "4,096"],
+                                             ["0x10", "  BAR.SYNC 0x0", "1,200", "200", "1,000", "150", "4,096"],
+                                             ["0x20", "  NOP", "0", "0", "0", "0", "0"]])
 
 
 def test_summary_reads_metrics_stalls_and_hottest_instructions(tmp_path):
@@ -43,7 +44,8 @@ def test_summary_reads_metrics_stalls_and_hottest_instructions(tmp_path):
     assert [h["sass"] for h in first["hottest_sass"]] == ["BAR.SYNC 0x0", "LDS R1, [R2]", "NOP"]
     assert first["hottest_sass"][0] == {"index": 1, "sass": "BAR.SYNC 0x0", "samples": 1200,
                                         "stalls": {"barrier": 1000, "wait": 200}}
-    assert "hottest_sass" not in second  # no source page for it
+    assert first["executions_a_program"] == {"4": 2, "0": 1}  # 4,096 warp executions over 1,024 programs
+    assert "hottest_sass" not in second and "executions_a_program" not in second  # no source page for it
 
 
 def test_summary_refuses_a_case_count_mismatch(tmp_path):
