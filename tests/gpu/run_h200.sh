@@ -43,8 +43,8 @@ for step in "$@"; do
       python3 -m pytest -q -x tests/gpu -p no:warnings --durations=5 2>&1 | tail -n 30 | tee "$out/kernels.log" ;;
     ncu)  # Nsight Compute over the decode and GEMM kernels (no engine needed): per-kernel details, raw
       # metrics and per-SASS-instruction stall samples, packed into ncu.tgz (NCU_CASES overrides the cases,
-      # NCU_SET sets decode constants for them: ncu_cases --set; NCU_CACHE_CONTROL=none keeps caches, the
-      # instruction cache included, warm between the replay passes, as back-to-back launches find them)
+      # NCU_SET sets decode constants for them: ncu_cases --set; NCU_CACHE_CONTROL=none: ncu flushes no cache
+      # before a replay pass, where its default, all, flushes them all)
       cases=${NCU_CASES:-decode:e4m3:16:1:32768 decode:bf16:16:1:32768 decode:e4m3:16:2:32768 decode:e4m3:128:1:4096 decode:bf16:128:1:4096 gemm:4096:7168:2048}
       ncu --profile-from-start off --clock-control none --cache-control ${NCU_CACHE_CONTROL:-all} \
         --set full --import-source no \
