@@ -72,12 +72,16 @@ def kernel_rows(raw_csv: Path) -> list[dict]:
     return out
 
 
-def hottest_instructions(source_csv: Path, count: int = 10) -> list[dict]:
-    """The ``count`` SASS instructions with the most warp samples, with their two main stall reasons
-    (``--page source --print-source sass --csv``: a kernel-name row, a header row, then one row per
-    instruction)."""
+def source_page(source_csv: Path) -> tuple[list[str], list[list[str]]]:
+    """The header and the instruction rows of ``--page source --print-source sass --csv`` (a
+    kernel-name row, a header row, then one row per SASS instruction)."""
     rows = list(csv.reader(source_csv.open()))
-    header, data = rows[1], rows[2:]
+    return rows[1], rows[2:]
+
+
+def hottest_instructions(header: list[str], data: list[list[str]], count: int = 10) -> list[dict]:
+    """The ``count`` SASS instructions with the most warp samples, with their two main stall reasons
+    (``source_page``'s header and rows)."""
     column = {name: i for i, name in enumerate(header)}
     reasons = [name for name in header if name.startswith("stall_") and "Not Issued" not in name]
     ranked = sorted(range(len(data)), key=lambda n: -_number(data[n][column[SAMPLES]]))[:count]
@@ -91,12 +95,11 @@ def hottest_instructions(source_csv: Path, count: int = 10) -> list[dict]:
     return out
 
 
-def executions_a_program(source_csv: Path, programs: float, count: int = 5) -> dict[str, int]:
+def executions_a_program(header: list[str], data: list[list[str]], programs: float,
+                         count: int = 5) -> dict[str, int]:
     """How many SASS instructions ran how many times a program (warp executions over the grid), the
     ``count`` commonest: straight-line code shows as nearly every instruction at one warpgroup's four
-    warps, a loop body as multiples of it."""
-    rows = list(csv.reader(source_csv.open()))
-    header, data = rows[1], rows[2:]
+    warps, a loop body as multiples of it (``source_page``'s header and rows)."""
     executed = header.index(EXECUTED)
     tally = Counter(f"{_number(values[executed] or '0') / programs:g}" for values in data)
     return dict(tally.most_common(count))
@@ -111,8 +114,9 @@ def summarize(folder: Path) -> list[dict]:
     for n, (case, row) in enumerate(zip(cases, kernels)):
         source = folder / "src" / f"src_{n}.csv"
         if source.is_file():
-            row |= {"hottest_sass": hottest_instructions(source),
-                    "executions_a_program": executions_a_program(source, row["grid"])}
+            header, data = source_page(source)
+            row |= {"hottest_sass": hottest_instructions(header, data),
+                    "executions_a_program": executions_a_program(header, data, row["grid"])}
         summary.append({"case": case, **row})
     return summary
 
